@@ -1,0 +1,31 @@
+"""Test setup shared by the whole suite.
+
+Without CUDA, Triton kernels can only run under Triton's interpreter, and ``TRITON_INTERPRET`` is read when a
+kernel is decorated, so it must be set before anything imports ``hf_dsinfer``. With CUDA the kernels run natively.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """CUDA when present, else CPU (Triton then runs under the interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
