@@ -1,0 +1,394 @@
+"""``InferenceConfig``: DeepSpeed-Inference's configuration, as a transformers quantization config.
+
+Field names, defaults and aliases follow DeepSpeed's ``DeepSpeedInferenceConfig`` so existing ``init_inference``
+calls and JSON files keep working; our own additions are listed in ``OWN_FIELDS``. The config is a
+``QuantizationConfigMixin`` registered under ``quant_method="dsinfer"``: transformers saves it in config.json and a
+saved model reloads optimized (see ``integration/quantizer.py``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import difflib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+QUANT_METHOD = "dsinfer"
+
+# canonical name -> accepted spellings (torch dtypes are accepted too)
+_DTYPE_NAMES = {
+    "float16": ("fp16", "float16", "half", "torch.float16"),
+    "bfloat16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "float32": ("fp32", "float32", "float", "torch.float32"),
+}
+_DTYPE_BY_SPELLING = {s: canon for canon, spellings in _DTYPE_NAMES.items() for s in spellings}
+
+# DeepSpeed's top-level fields and defaults.
+DEEPSPEED_FIELDS: dict[str, Any] = {
+    "dtype": "float16",
+    "tensor_parallel": None,  # -> TensorParallelConfig
+    "replace_with_kernel_inject": False,
+    "enable_cuda_graph": False,
+    "injection_policy": None,
+    "max_out_tokens": 1024,
+    "min_out_tokens": 1,
+    "checkpoint": None,
+    "base_dir": "",
+    "quant": None,
+    "moe": None,
+    "keep_module_on_host": False,
+    "save_mp_checkpoint_path": None,
+    "use_triton": False,
+    "triton_autotune": False,
+    "return_tuple": True,
+    "training_mp_size": 1,
+}
+# Ours.
+OWN_FIELDS: dict[str, Any] = {
+    "cuda_graph_batch_sizes": None,  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_batch_size
+    "max_batch_size": 8,  # rows of the static KV cache
+}
+FIELDS = {**DEEPSPEED_FIELDS, **OWN_FIELDS}
+
+ALIASES = {
+    "kernel_inject": "replace_with_kernel_inject",
+    "tp": "tensor_parallel",
+    "injection_dict": "injection_policy",
+    "max_tokens": "max_out_tokens",
+    "min_tokens": "min_out_tokens",
+}
+# DeepSpeed's deprecated top-level keys and where they moved (dotted path into a nested section).
+DEPRECATED = {"mp_size": "tensor_parallel.tp_size", "mpu": "tensor_parallel.mpu"}
+
+TP_FIELDS: dict[str, Any] = {"enabled": True, "tp_size": 1, "tp_grain_size": 1, "mpu": None, "tp_group": None}
+_TP_RUNTIME = ("mpu", "tp_group")  # process-group objects: kept in memory, never serialized
+
+_BOOL_FIELDS = (
+    "replace_with_kernel_inject",
+    "enable_cuda_graph",
+    "keep_module_on_host",
+    "use_triton",
+    "triton_autotune",
+    "return_tuple",
+)
+
+# Set by the from_pretrained hook while a user-passed config must replace the one saved in config.json.
+_LOAD_OVERRIDE: contextvars.ContextVar[InferenceConfig | None] = contextvars.ContextVar(
+    "hf_dsinfer_load_override", default=None
+)
+
+
+def normalize_dtype(value: Any, key: str = "dtype") -> str:
+    """Return the canonical dtype name (``float16``, ``bfloat16``, ``float32``) for any accepted spelling."""
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    if isinstance(value, str):
+        canon = _DTYPE_BY_SPELLING.get(value.strip().lower())
+        if canon is not None:
+            return canon
+    if value in ("int8", torch.int8) or str(value) == "torch.int8":
+        raise ValueError(f"{key}=int8 (weight quantization) is not supported yet; use fp16, bf16 or fp32.")
+    valid = ", ".join(sorted(_DTYPE_BY_SPELLING))
+    raise ValueError(f"{key}={value!r} is not a dtype hf_dsinfer knows; use one of: {valid} (or a torch dtype).")
+
+
+def _unknown_key_error(key: str, valid: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"Unknown {where} key {key!r}.{hint} Valid keys: {', '.join(sorted(valid))}.")
+
+
+class TensorParallelConfig:
+    """DeepSpeed's ``tensor_parallel`` section: ``enabled``, ``tp_size``, ``tp_grain_size``, ``mpu``, ``tp_group``.
+
+    ``mpu`` and ``tp_group`` hold live process-group objects; they are never written to JSON.
+    """
+
+    def __init__(self, **kwargs: Any):
+        for key in kwargs:
+            if key not in TP_FIELDS:
+                raise _unknown_key_error(key, list(TP_FIELDS), "tensor_parallel")
+        values = {**TP_FIELDS, **kwargs}
+        self.enabled = bool(values["enabled"])
+        self.tp_size = values["tp_size"]
+        self.tp_grain_size = values["tp_grain_size"]
+        self.mpu = values["mpu"]
+        self.tp_group = values["tp_group"]
+        for key in ("tp_size", "tp_grain_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"tensor_parallel.{key} must be an integer >= 1, got {v!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in TP_FIELDS if k not in _TP_RUNTIME}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorParallelConfig):
+            return NotImplemented
+        return self.to_dict() == other.to_dict() and self.mpu is other.mpu and self.tp_group is other.tp_group
+
+    def __repr__(self) -> str:
+        return f"TensorParallelConfig({self.to_dict()})"
+
+    def __deepcopy__(self, memo: dict) -> TensorParallelConfig:
+        # Process groups cannot be deep-copied: share them.
+        return TensorParallelConfig(**self.to_dict(), mpu=self.mpu, tp_group=self.tp_group)
+
+
+def _policy_key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, type):
+        return f"{key.__module__}.{key.__qualname__}"
+    raise ValueError(f"injection_policy keys must be layer classes or their dotted names, got {key!r}.")
+
+
+def _normalize_injection_policy(value: Any) -> dict[str, list[str]] | None:
+    """DeepSpeed's ``{LayerClass: ("self_attn.o_proj", "mlp.down_proj")}`` as JSON: dotted class name -> names."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(
+            "injection_policy must be a non-empty dict {LayerClass: ('attn.out_proj', 'mlp.down_proj')}, "
+            f"got {value!r}."
+        )
+    out = {}
+    for key, names in value.items():
+        if isinstance(names, str):
+            names = (names,)
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"injection_policy[{_policy_key(key)!r}] must be a tuple of module names (the layer's row-parallel "
+                f"output projections, e.g. ('self_attn.o_proj', 'mlp.down_proj')), got {names!r}."
+            )
+        out[_policy_key(key)] = list(names)
+    return out
+
+
+class InferenceConfig(QuantizationConfigMixin):
+    """Configuration of hf_dsinfer, with DeepSpeed-Inference's field names, defaults and aliases.
+
+    Build it from keyword arguments, a dict, a JSON file path, or another config plus overrides with
+    :meth:`from_any`. Unknown keys raise ``ValueError`` naming the key; invalid values raise naming the key and the
+    fix. Accepted aliases: ``kernel_inject``, ``tp``, ``injection_dict``, ``max_tokens``, ``min_tokens``; the
+    deprecated ``mp_size`` and ``mpu`` map into ``tensor_parallel`` with a ``FutureWarning``.
+
+    Fields (DeepSpeed's): ``dtype`` (default fp16), ``tensor_parallel`` (``tp_size``, ``tp_grain_size``, ``mpu``,
+    ``tp_group``), ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``injection_policy``, ``max_out_tokens``
+    (1024), ``min_out_tokens`` (1), ``checkpoint``, ``base_dir``, ``quant``, ``moe``, ``keep_module_on_host``,
+    ``save_mp_checkpoint_path``, ``use_triton``, ``triton_autotune``, ``return_tuple``, ``training_mp_size``.
+    Ours: ``cuda_graph_batch_sizes`` (batch buckets captured as CUDA graphs), ``max_batch_size`` (KV cache rows).
+    """
+
+    def __init__(self, **kwargs: Any):
+        kwargs.pop("quant_method", None)  # written by to_dict; transformers' from_dict passes it back
+        values = self._canonical_keys(kwargs)
+        merged = {**FIELDS, **values}
+        self.quant_method = QUANT_METHOD
+        self.dtype = normalize_dtype(merged["dtype"])
+        tp = merged["tensor_parallel"]
+        if isinstance(tp, TensorParallelConfig):
+            tp = copy.deepcopy(tp)
+        elif tp is None:
+            tp = TensorParallelConfig()
+        elif isinstance(tp, Mapping):
+            tp = TensorParallelConfig(**tp)
+        else:
+            raise ValueError(f"tensor_parallel must be a dict such as {{'tp_size': 2}}, got {tp!r}.")
+        self.tensor_parallel = tp
+        for key in FIELDS:
+            if key not in ("dtype", "tensor_parallel"):
+                setattr(self, key, copy.deepcopy(merged[key]))
+        self.injection_policy = _normalize_injection_policy(merged["injection_policy"])
+        self.post_init()
+
+    # -- construction helpers -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _canonical_keys(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Resolve aliases and deprecated keys; reject unknown ones; merge nested sections."""
+        out: dict[str, Any] = {}
+        tp_extra: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in DEPRECATED:
+                section, sub = DEPRECATED[key].split(".")
+                warnings.warn(f"{key} is deprecated; use {DEPRECATED[key]} instead.", FutureWarning, stacklevel=4)
+                tp_extra[sub] = value
+                continue
+            canon = ALIASES.get(key, key)
+            if canon not in FIELDS:
+                raise _unknown_key_error(key, list(FIELDS) + list(ALIASES) + list(DEPRECATED), "InferenceConfig")
+            if canon in out and out[canon] != value:
+                raise ValueError(f"{key} and {canon} are the same setting with different values; pass only one.")
+            out[canon] = value
+        if tp_extra:
+            tp = out.get("tensor_parallel") or {}
+            tp = tp.to_dict() | {"mpu": tp.mpu, "tp_group": tp.tp_group} if isinstance(tp, TensorParallelConfig) else tp
+            tp = dict(tp)
+            for sub, value in tp_extra.items():
+                if sub in tp and tp[sub] != value:
+                    raise ValueError(
+                        f"tensor_parallel.{sub}={tp[sub]!r} conflicts with the deprecated alias for it ({value!r})."
+                    )
+                tp[sub] = value
+            out["tensor_parallel"] = tp
+        return out
+
+    @classmethod
+    def from_any(cls, config: Any = None, **kwargs: Any) -> InferenceConfig:
+        """Build from ``None``, an ``InferenceConfig``, a dict or a JSON file path, merged with ``kwargs``.
+
+        A key given both in ``config`` and in ``kwargs`` with different values raises ``ValueError`` naming every
+        such key (DeepSpeed's rule for ``init_inference(model, config, **kwargs)``).
+        """
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, InferenceConfig):
+            base = config._field_values()
+        elif isinstance(config, Mapping):
+            base = dict(config)
+            base.pop("quant_method", None)
+        elif isinstance(config, (str, os.PathLike)):
+            path = os.fspath(config)
+            if not os.path.isfile(path):
+                raise ValueError(f"config={path!r} is not a JSON file; pass a dict, an InferenceConfig or a file path.")
+            with open(path, encoding="utf-8") as f:
+                try:
+                    base = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
+            if not isinstance(base, dict):
+                raise ValueError(f"config file {path!r} must hold a JSON object, got {type(base).__name__}.")
+            base.pop("quant_method", None)
+        else:
+            raise ValueError(
+                f"config must be None, an InferenceConfig, a dict or a JSON path, got {type(config).__name__}."
+            )
+        if not kwargs:
+            return cls(**base)
+        a = cls(**base)
+        b = cls(**kwargs)
+        given_a = cls._canonical_keys(base)
+        given_b = cls._canonical_keys(kwargs)
+        conflicts = []
+        for key in sorted(set(given_a) & set(given_b)):
+            if getattr(a, key) != getattr(b, key):
+                conflicts.append(f"{key} ({getattr(a, key)!r} in config, {getattr(b, key)!r} in kwargs)")
+        if conflicts:
+            raise ValueError(
+                "Conflicting values between config and keyword arguments for: "
+                + "; ".join(conflicts)
+                + ". Pass each setting once."
+            )
+        return cls(**{**base, **kwargs})
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """transformers' loader entry point (config.json -> config). See ``integration/hooks.py`` for overrides."""
+        override = _LOAD_OVERRIDE.get()
+        config = copy.deepcopy(override) if override is not None else cls(**config_dict)
+        unused = {}
+        for key, value in kwargs.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+            else:
+                unused[key] = value
+        return (config, unused) if return_unused_kwargs else config
+
+    # -- validation ------------------------------------------------------------------------------------------------
+
+    def post_init(self) -> None:
+        """Check every value; errors name the key and the fix."""
+        for key in _BOOL_FIELDS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be True or False, got {getattr(self, key)!r}.")
+        for key in ("max_out_tokens", "min_out_tokens", "max_batch_size", "training_mp_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {v!r}.")
+        if self.max_out_tokens < self.min_out_tokens:
+            raise ValueError(
+                f"max_out_tokens ({self.max_out_tokens}) is smaller than min_out_tokens ({self.min_out_tokens}); "
+                "raise max_out_tokens or lower min_out_tokens."
+            )
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (list, tuple)) or not sizes or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+            ):
+                raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of integers >= 1, got {sizes!r}.")
+            self.cuda_graph_batch_sizes = sorted(set(sizes))
+            if self.cuda_graph_batch_sizes[-1] > self.max_batch_size:
+                raise ValueError(
+                    f"cuda_graph_batch_sizes reaches {self.cuda_graph_batch_sizes[-1]} but max_batch_size is "
+                    f"{self.max_batch_size}; raise max_batch_size or drop the larger buckets."
+                )
+        if self.training_mp_size != 1:
+            raise ValueError("training_mp_size other than 1 is not supported; reshard the checkpoint first.")
+        for key in ("quant", "moe"):
+            v = getattr(self, key)
+            if v in (None, {}, False):
+                setattr(self, key, None)
+                continue
+            if not isinstance(v, Mapping) or v.get("enabled", True):
+                raise ValueError(
+                    f"{key}={v!r}: DeepSpeed's {key} settings are not supported by hf_dsinfer yet; remove {key!r} "
+                    f"(models load through transformers' own {'quantizers' if key == 'quant' else 'MoE layers'})."
+                )
+        for key in ("checkpoint", "save_mp_checkpoint_path"):
+            v = getattr(self, key)
+            if v is not None and not isinstance(v, (str, dict)):
+                raise ValueError(f"{key} must be a path or a dict, got {type(v).__name__}.")
+        if not isinstance(self.base_dir, str):
+            raise ValueError(f"base_dir must be a string path, got {self.base_dir!r}.")
+
+    # -- views -----------------------------------------------------------------------------------------------------
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+    @property
+    def tp_size(self) -> int:
+        """Shortcut for ``tensor_parallel.tp_size``."""
+        return self.tensor_parallel.tp_size if self.tensor_parallel.enabled else 1
+
+    def _field_values(self) -> dict[str, Any]:
+        values = {k: getattr(self, k) for k in FIELDS}
+        values["tensor_parallel"] = {
+            **self.tensor_parallel.to_dict(),
+            "mpu": self.tensor_parallel.mpu,
+            "tp_group": self.tensor_parallel.tp_group,
+        }
+        return values
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable dict (process groups left out), with ``quant_method``."""
+        out = {k: copy.deepcopy(getattr(self, k)) for k in FIELDS if k != "tensor_parallel"}
+        out["tensor_parallel"] = self.tensor_parallel.to_dict()
+        out["quant_method"] = QUANT_METHOD
+        return out
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """Only the values that differ from the defaults (plus ``quant_method``)."""
+        default = InferenceConfig().to_dict()
+        return {k: v for k, v in self.to_dict().items() if k == "quant_method" or default.get(k) != v}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InferenceConfig):
+            return NotImplemented
+        return self._field_values() == other._field_values()
+
+    def __deepcopy__(self, memo: dict) -> InferenceConfig:
+        return InferenceConfig(**self._field_values())

@@ -1,0 +1,117 @@
+"""``init_inference`` and ``InferenceEngine``: DeepSpeed's entry point for a model that is already built."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
+from .config import InferenceConfig
+
+
+class InferenceEngine(nn.Module):
+    """Wraps a model optimized by :func:`init_inference`.
+
+    ``engine(...)`` runs the model's forward, ``engine.generate(...)`` its ``generate``, ``engine.module`` is the
+    model itself. Attributes the engine does not define (``config``, ``device``, ``generation_config``, ...) are read
+    from the model, so the engine can stand in for it. ``profile_model_time()`` turns on per-forward timing and
+    ``model_times()`` returns (and clears) the measured milliseconds, as in DeepSpeed.
+    """
+
+    def __init__(self, model: nn.Module, config: InferenceConfig):
+        super().__init__()
+        self.module = model
+        self.inference_config = config
+        self._profile = False
+        self._use_cuda_events = False
+        self._times: list[Any] = []  # floats (ms) or (start, end) CUDA event pairs, resolved in model_times()
+
+    # -- DeepSpeed's profiling API -----------------------------------------------------------------------------
+
+    def profile_model_time(self, use_cuda_events: bool = True) -> None:
+        """Record the wall time of every forward (and generate) call from now on.
+
+        With ``use_cuda_events`` and a CUDA model the time is measured with CUDA events (no sync per call);
+        otherwise with a synchronized host clock.
+        """
+        self._profile = True
+        self._use_cuda_events = use_cuda_events and self._device().type == "cuda"
+
+    def model_times(self) -> list[float]:
+        """Milliseconds of each profiled call since the last read; the list is cleared when read."""
+        if self._use_cuda_events and self._times:
+            torch.cuda.synchronize()
+        out = [t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in self._times]
+        self._times = []
+        return out
+
+    def _timed(self, fn, *args: Any, **kwargs: Any) -> Any:
+        if not self._profile:
+            return fn(*args, **kwargs)
+        if self._use_cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._times.append((start, end))
+            return out
+        self._sync()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self._sync()
+        self._times.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def _device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _sync(self) -> None:
+        if self._device().type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- model API -----------------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (timed when profiling is on)."""
+        return self._timed(self.module, *args, **kwargs)
+
+    @torch.no_grad()
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (timed when profiling is on)."""
+        if not hasattr(self.module, "generate"):
+            raise AttributeError(f"{type(self.module).__name__} has no generate(); call the engine's forward instead.")
+        return self._timed(self.module.generate, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Optimize an already built model for inference, DeepSpeed's way: ``init_inference(model, config, **kwargs)``.
+
+    ``config`` is an :class:`InferenceConfig`, a dict, a JSON file path or None; ``kwargs`` are config fields. A
+    field given in both with different values raises ``ValueError`` naming it. The model is cast to the config's
+    ``dtype``, moved to this rank's GPU when there is one (unless ``keep_module_on_host``), and optimized in place.
+    """
+    if isinstance(model, InferenceEngine):
+        raise ValueError("init_inference got an InferenceEngine; pass engine.module to re-initialize it.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"init_inference needs a torch.nn.Module, got {type(model).__name__}.")
+    cfg = InferenceConfig.from_any(config, **kwargs)
+    check_supported(cfg)
+    first = next(model.parameters(), None)
+    device = (first.device if first is not None else torch.device("cpu")) if cfg.keep_module_on_host else local_device()
+    check_dtype_supported(cfg.torch_dtype, device)
+    # transformers' PreTrainedModel.to refuses dtype casts only for other quantization methods, never ours.
+    model.to(device=device, dtype=cfg.torch_dtype)
+    model = apply_inference_config(model, cfg)
+    return InferenceEngine(model, cfg)

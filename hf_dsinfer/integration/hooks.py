@@ -1,0 +1,93 @@
+"""Registration with transformers, run once on ``import hf_dsinfer``.
+
+* ``InferenceConfig`` / ``DsInferQuantizer`` under ``quant_method="dsinfer"`` (transformers' official plugin hook),
+  so ``from_pretrained(path, quantization_config=cfg)`` works and a saved model reloads optimized.
+* The ``inference_config=`` keyword of ``from_pretrained``: transformers would pass an unknown keyword on to the
+  model's ``__init__`` (TypeError), so ``PreTrainedModel.from_pretrained`` is wrapped once to translate it into
+  ``quantization_config``. Auto classes and pipelines reach the wrapper because they call the model class's
+  ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .config import _LOAD_OVERRIDE, QUANT_METHOD, InferenceConfig, normalize_dtype
+from .quantizer import DsInferQuantizer
+
+_HOOK_FLAG = "_hf_dsinfer_hook"
+# transformers' warning when config.json already holds a quantization config: ours replaces it on purpose.
+_SAVED_CONFIG_WARNING = r"You passed `quantization_config` or equivalent parameters to `from_pretrained`"
+
+
+def register() -> None:
+    """Register the config, the quantizer and the ``from_pretrained`` hook. Safe to call any number of times."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    # Assigned directly (not through register_*) so a re-import after importlib.reload replaces stale classes.
+    AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = InferenceConfig
+    AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = DsInferQuantizer
+    _install_from_pretrained_hook()
+
+
+def _install_from_pretrained_hook() -> None:
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"].__func__
+    if getattr(original, _HOOK_FLAG, False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args: Any, inference_config: Any = None, **kwargs: Any):
+        return load_with_inference_config(original, cls, args, inference_config, kwargs)
+
+    setattr(from_pretrained, _HOOK_FLAG, True)
+    from_pretrained.__doc__ = (original.__doc__ or "") + (
+        "\n\n        hf_dsinfer adds `inference_config` (an InferenceConfig, a dict or a JSON path): load the model "
+        "optimized for inference. It is the same as `quantization_config=InferenceConfig(...)`.\n"
+    )
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _explicit_dtype(kwargs: dict[str, Any]) -> str | None:
+    for key in ("dtype", "torch_dtype"):
+        value = kwargs.get(key)
+        if value is not None and value != "auto" and not isinstance(value, dict):
+            return normalize_dtype(value, key)
+    return None
+
+
+def load_with_inference_config(
+    original: Callable, cls: type, args: tuple, inference_config: Any, kwargs: dict[str, Any]
+) -> Any:
+    """``from_pretrained`` with ``inference_config`` translated; the user's config replaces a saved one."""
+    quant = kwargs.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == QUANT_METHOD:
+        quant = kwargs["quantization_config"] = InferenceConfig.from_any(quant)
+    if inference_config is not None:
+        cfg = InferenceConfig.from_any(inference_config)
+        if quant is not None and quant != cfg:
+            raise ValueError(
+                "from_pretrained got both inference_config and a different quantization_config; pass the "
+                "InferenceConfig once, as either argument."
+            )
+        kwargs["quantization_config"] = cfg
+    cfg = kwargs.get("quantization_config")
+    if not isinstance(cfg, InferenceConfig):
+        return original(cls, *args, **kwargs)
+    explicit = _explicit_dtype(kwargs)
+    if explicit is not None and explicit != cfg.dtype:
+        raise ValueError(
+            f"from_pretrained got dtype={explicit!r} but the inference config says dtype={cfg.dtype!r}; set the "
+            "dtype in one place (the inference config's `dtype`)."
+        )
+    token = _LOAD_OVERRIDE.set(cfg)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SAVED_CONFIG_WARNING)
+            return original(cls, *args, **kwargs)
+    finally:
+        _LOAD_OVERRIDE.reset(token)

@@ -1,0 +1,70 @@
+"""The transformers ``HfQuantizer`` for ``quant_method="dsinfer"``: how ``from_pretrained`` applies an
+``InferenceConfig``.
+
+transformers drives it: ``update_dtype`` picks the load dtype, ``update_device_map`` the device, and
+``_process_model_after_weight_loading`` hands the loaded model to ``apply_inference_config``. Weights are saved as
+plain HF tensors, so a saved model also loads, unoptimized but correct, where hf_dsinfer is not installed.
+
+What transformers forces on any model with a quantizer (documented in docs/usage.md): ``.half()`` / ``.float()``
+raise (use ``.to(dtype)`` or the config's ``dtype``), and Trainer refuses full fine-tuning without adapters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.quantizers.base import HfQuantizer
+
+from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
+from .config import InferenceConfig
+
+
+class DsInferQuantizer(HfQuantizer):
+    """Applies an :class:`InferenceConfig` while transformers loads a model."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: InferenceConfig, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self.quantization_config: InferenceConfig = quantization_config
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        cfg = self.quantization_config
+        check_supported(cfg)
+        device = torch.device("cpu") if cfg.keep_module_on_host else local_device()
+        check_dtype_supported(cfg.torch_dtype, device)
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # The config's dtype wins; the from_pretrained hook has already rejected an explicit conflicting `dtype=`.
+        return self.quantization_config.torch_dtype
+
+    def update_device_map(self, device_map: dict[str, Any] | None) -> dict[str, Any] | None:
+        # DeepSpeed puts the model on this rank's GPU; do the same when the user gave no device_map.
+        if device_map is None and not self.quantization_config.keep_module_on_host and torch.cuda.is_available():
+            return {"": local_device().index}
+        return device_map
+
+    def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
+        return False  # weights load as HF stores them; fused layers re-pack them after loading
+
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        return model
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        return apply_inference_config(model, self.quantization_config)
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # adapters (peft) train on top of it
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True  # keep transformers' own generate auto-compile available

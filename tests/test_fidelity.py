@@ -1,0 +1,97 @@
+"""The fidelity table: every architecture, loaded with ``inference_config``, against HF's eager model.
+
+For each row of ``tiny_models.ARCHITECTURES`` and each dtype: logits within ``MODEL_LOGITS_TOL``, 20 greedy tokens
+identical to HF's, and a left-padded batch identical to the same prompts run one by one. Encoders compare hidden
+states (and a right-padded batch against singles on the real tokens). Later features add columns to ``MODES``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import ARCHITECTURES, PAD, left_pad, prompts, save_tiny
+from tolerances import MODEL_LOGITS_TOL
+
+import hf_dsinfer  # noqa: F401  (registers inference_config)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Extra inference-config settings per mode; the dtype comes from DTYPES.
+MODES = {"hf": {}}
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cache: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = save_tiny(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
+
+
+def _load(arch, path, dtype, inference_config=None):
+    cls = getattr(transformers, arch.auto_class)
+    if inference_config is None:
+        return cls.from_pretrained(path, dtype=dtype).eval()
+    return cls.from_pretrained(path, inference_config=inference_config).eval()
+
+
+def _greedy(model, ids, mask):
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=PAD,
+    )
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@torch.no_grad()
+def test_fidelity(name, dtype_name, mode, saved):
+    arch = ARCHITECTURES[name]
+    dtype = DTYPES[dtype_name]
+    path = saved(name)
+    reference = _load(arch, path, dtype)
+    optimized = _load(arch, path, dtype, {"dtype": dtype_name, **MODES[mode]})
+    assert optimized.dtype == dtype
+    assert hf_dsinfer.integration.apply.get_inference_config(optimized) is not None
+    tol = MODEL_LOGITS_TOL[dtype]
+    batch = prompts()
+
+    if arch.encoder:
+        ids = torch.tensor([batch[1]])
+        ref = reference(input_ids=ids).last_hidden_state
+        got = optimized(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(got.float(), ref.float(), **tol)
+        # right-padded batch against singles, on the real tokens only
+        width = max(len(p) for p in batch)
+        pids = torch.tensor([p + [PAD] * (width - len(p)) for p in batch])
+        pmask = (torch.arange(width)[None] < torch.tensor([len(p) for p in batch])[:, None]).long()
+        padded = optimized(input_ids=pids, attention_mask=pmask).last_hidden_state
+        for i, p in enumerate(batch):
+            single = optimized(input_ids=torch.tensor([p])).last_hidden_state[0]
+            torch.testing.assert_close(padded[i, : len(p)].float(), single.float(), **tol)
+        return
+
+    ids = torch.tensor([batch[1]])
+    mask = torch.ones_like(ids)
+    ref_logits = reference(input_ids=ids, attention_mask=mask).logits
+    got_logits = optimized(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got_logits.float(), ref_logits.float(), **tol)
+
+    assert torch.equal(_greedy(optimized, ids, mask), _greedy(reference, ids, mask)), "greedy tokens differ from HF"
+
+    pids, pmask = left_pad(batch)
+    padded = _greedy(optimized, pids, pmask)
+    for i, p in enumerate(batch):
+        single = _greedy(optimized, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+        assert torch.equal(padded[i], single[0]), f"row {i} of the left-padded batch differs from its single run"
