@@ -31,7 +31,9 @@ def check_tensor(
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}; move it to {device}")
     if last_dim_contiguous and t.numel() > 0 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a unit stride in its last dim (got strides {t.stride()}); call .contiguous()")
+        raise ValueError(
+            f"{name} must have a unit stride in its last dim (got strides {t.stride()}); call .contiguous()"
+        )
     return t
 
 

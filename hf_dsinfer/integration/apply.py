@@ -30,7 +30,8 @@ def check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
         raise ValueError(
-            f"dtype='bf16' was requested but {name} does not support bfloat16; use dtype='fp16' in the inference config."
+            f"dtype='bf16' was requested but {name} does not support bfloat16; "
+            "use dtype='fp16' in the inference config."
         )
 
 

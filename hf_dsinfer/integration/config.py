@@ -215,6 +215,7 @@ class InferenceConfig(QuantizationConfigMixin):
     def _canonical_keys(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Resolve aliases and deprecated keys; reject unknown ones; merge nested sections."""
         out: dict[str, Any] = {}
+        given_as: dict[str, str] = {}  # canonical name -> the spelling the user used, for error messages
         tp_extra: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key in DEPRECATED:
@@ -226,8 +227,11 @@ class InferenceConfig(QuantizationConfigMixin):
             if canon not in FIELDS:
                 raise _unknown_key_error(key, list(FIELDS) + list(ALIASES) + list(DEPRECATED), "InferenceConfig")
             if canon in out and out[canon] != value:
-                raise ValueError(f"{key} and {canon} are the same setting with different values; pass only one.")
+                raise ValueError(
+                    f"{given_as[canon]} and {key} are the same setting with different values; pass only one."
+                )
             out[canon] = value
+            given_as[canon] = key
         if tp_extra:
             tp = out.get("tensor_parallel") or {}
             tp = tp.to_dict() | {"mpu": tp.mpu, "tp_group": tp.tp_group} if isinstance(tp, TensorParallelConfig) else tp
