@@ -1,0 +1,167 @@
+"""Memory-bandwidth benchmark of the Triton kernels against their torch references.
+
+Run as ``python -m hf_dsinfer.kernels.bench [--dtype bf16] [--json PATH]`` on a CUDA machine. All these kernels
+are bandwidth bound, so each row reports achieved GB/s and its share of the device's copy bandwidth, measured in the
+same run (a large device-to-device tensor copy) so the ceiling and the kernels see the same clocks. Shapes are
+Llama-3-8B's (hidden 4096, 32 query heads, 8 KV heads, head dim 128, intermediate 14336) at decode and prefill token
+counts. When ``kernels/bench_attention.py`` exists its ``run_attention_benchmarks(copy_gbs)`` rows are merged in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENS = (1, 8, 32, 4096)
+HIDDEN, N_HEADS, N_KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
+COLUMNS = ("kernel", "shape", "dtype", "triton_ms", "ref_ms", "triton_gbs", "ref_gbs", "pct_copy_bw", "sdpa_ms")
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    """Mean milliseconds per call via triton.testing.do_bench (which flushes L2 between calls)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100))
+
+
+def measure_copy_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in GB/s (bytes read + bytes written), from a ``nbytes`` tensor copy."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def _row(kernel: str, shape: str, dtype: torch.dtype, nbytes: int, triton_fn, ref_fn, copy_gbs: float) -> dict:
+    t_ms = _bench_ms(triton_fn)
+    r_ms = _bench_ms(ref_fn)
+    t_gbs = nbytes / t_ms / 1e6
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "dtype": str(dtype).replace("torch.", ""),
+        "triton_ms": t_ms,
+        "ref_ms": r_ms,
+        "triton_gbs": t_gbs,
+        "ref_gbs": nbytes / r_ms / 1e6,
+        "pct_copy_bw": 100.0 * t_gbs / copy_gbs,
+    }
+
+
+def run_benchmarks(
+    dtype: torch.dtype, copy_gbs: float, tokens: tuple[int, ...] = TOKENS, device: str | torch.device = "cuda"
+) -> list[dict]:
+    """Benchmark rms_norm (with residual), rotary and act_and_mul at each token count; one dict per row."""
+    from .activations import act_and_mul_torch, act_and_mul_triton
+    from .norms import rms_norm_torch, rms_norm_triton
+    from .rotary import apply_rotary_torch, apply_rotary_triton
+
+    dev = torch.device(device)
+    es = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for n in tokens:
+        # RMSNorm fused with the residual add: reads x, residual, weight; writes out and the new residual.
+        x = torch.randn(n, HIDDEN, dtype=dtype, device=dev)
+        res = torch.randn_like(x)
+        w = torch.randn(HIDDEN, dtype=dtype, device=dev)
+        nbytes = (4 * n * HIDDEN + HIDDEN) * es
+        rows.append(_row("rms_norm+residual", f"[{n}, {HIDDEN}]", dtype, nbytes,
+                         functools.partial(rms_norm_triton, x, w, 1e-5, res),
+                         functools.partial(rms_norm_torch, x, w, 1e-5, res),
+                         copy_gbs))  # fmt: skip
+
+        # Rotary in place on q/k viewed out of a fused QKV projection output (strided, like the real model).
+        qkv = torch.randn(n, (N_HEADS + 2 * N_KV_HEADS) * HEAD_DIM, dtype=dtype, device=dev)
+        q = qkv[:, : N_HEADS * HEAD_DIM].view(n, N_HEADS, HEAD_DIM)
+        k = qkv[:, N_HEADS * HEAD_DIM : (N_HEADS + N_KV_HEADS) * HEAD_DIM].view(n, N_KV_HEADS, HEAD_DIM)
+        max_pos = 8192
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
+        ang = torch.arange(max_pos, device=dev, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        pos = torch.randint(0, max_pos, (n,), device=dev)
+        nbytes = 2 * n * (N_HEADS + N_KV_HEADS) * HEAD_DIM * es + n * HEAD_DIM * 4 + n * 8
+        rows.append(_row("rotary", f"q[{n}, {N_HEADS}, {HEAD_DIM}] k[{n}, {N_KV_HEADS}, {HEAD_DIM}]", dtype, nbytes,
+                         functools.partial(apply_rotary_triton, q, k, cos, sin, pos),
+                         functools.partial(apply_rotary_torch, q, k, cos, sin, pos),
+                         copy_gbs))  # fmt: skip
+
+        # SiLU-and-mul on the fused gate_up output: reads [n, 2I], writes [n, I].
+        gu = torch.randn(n, 2 * INTERMEDIATE, dtype=dtype, device=dev)
+        nbytes = 3 * n * INTERMEDIATE * es
+        rows.append(_row("act_and_mul(silu)", f"[{n}, {2 * INTERMEDIATE}]", dtype, nbytes,
+                         functools.partial(act_and_mul_triton, gu, "silu"),
+                         functools.partial(act_and_mul_torch, gu, "silu"),
+                         copy_gbs))  # fmt: skip
+        del x, res, qkv, gu
+    return rows
+
+
+def _attention_rows(copy_gbs: float, dtype: torch.dtype) -> list[dict]:
+    """Rows from the attention benchmark module when it exists (written separately), given ``dtype`` if it takes one."""
+    try:
+        from .bench_attention import run_attention_benchmarks
+    except ImportError as exc:
+        print(f"(no attention rows: {exc})")
+        return []
+    if "dtype" in inspect.signature(run_attention_benchmarks).parameters:
+        return list(run_attention_benchmarks(copy_gbs, dtype=dtype))
+    return list(run_attention_benchmarks(copy_gbs))
+
+
+def _fmt(value: object) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(rows: list[dict], copy_gbs: float, device_name: str) -> str:
+    """Markdown table of all rows, headed by the device and its measured copy bandwidth."""
+    cols = [c for c in COLUMNS if c != "sdpa_ms" or any(r.get("sdpa_ms") is not None for r in rows)]
+    lines = [
+        f"Device: {device_name}; copy bandwidth {copy_gbs:.1f} GB/s (read + write)",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" for _ in cols) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="python -m hf_dsinfer.kernels.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default bf16)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and the copy bandwidth as JSON")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to benchmark")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("hf_dsinfer.kernels.bench needs a CUDA device; none found, nothing to measure.")
+        return 0
+    dtype = DTYPES[args.dtype]
+    dev = torch.device("cuda")
+    copy_gbs = measure_copy_gbs(dev)
+    rows = run_benchmarks(dtype, copy_gbs, tuple(args.tokens))
+    rows += _attention_rows(copy_gbs, dtype)
+    name = torch.cuda.get_device_name(dev)
+    print(format_table(rows, copy_gbs, name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "dtype": args.dtype, "copy_gbs": copy_gbs, "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
