@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import math
 import sys
 from collections.abc import Callable
 
 import torch
+
+from .bench_attention import bench_row, run_attention_benchmarks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENS = (1, 8, 32, 4096)
@@ -41,19 +42,7 @@ def measure_copy_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def _row(kernel: str, shape: str, dtype: torch.dtype, nbytes: int, triton_fn, ref_fn, copy_gbs: float) -> dict:
-    t_ms = _bench_ms(triton_fn)
-    r_ms = _bench_ms(ref_fn)
-    t_gbs = nbytes / t_ms / 1e6
-    return {
-        "kernel": kernel,
-        "shape": shape,
-        "dtype": str(dtype).replace("torch.", ""),
-        "triton_ms": t_ms,
-        "ref_ms": r_ms,
-        "triton_gbs": t_gbs,
-        "ref_gbs": nbytes / r_ms / 1e6,
-        "pct_copy_bw": 100.0 * t_gbs / copy_gbs,
-    }
+    return bench_row(kernel, shape, dtype, nbytes, _bench_ms(triton_fn), _bench_ms(ref_fn), copy_gbs)
 
 
 def run_benchmarks(
@@ -104,18 +93,6 @@ def run_benchmarks(
     return rows
 
 
-def _attention_rows(copy_gbs: float, dtype: torch.dtype) -> list[dict]:
-    """Rows from the attention benchmark module when it exists (written separately), given ``dtype`` if it takes one."""
-    try:
-        from .bench_attention import run_attention_benchmarks
-    except ImportError as exc:
-        print(f"(no attention rows: {exc})")
-        return []
-    if "dtype" in inspect.signature(run_attention_benchmarks).parameters:
-        return list(run_attention_benchmarks(copy_gbs, dtype=dtype))
-    return list(run_attention_benchmarks(copy_gbs))
-
-
 def _fmt(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -153,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     copy_gbs = measure_copy_gbs(dev)
     rows = run_benchmarks(dtype, copy_gbs, tuple(args.tokens))
-    rows += _attention_rows(copy_gbs, dtype)
+    rows += run_attention_benchmarks(copy_gbs, dtype=dtype)
     name = torch.cuda.get_device_name(dev)
     print(format_table(rows, copy_gbs, name))
     if args.json:

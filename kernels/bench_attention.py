@@ -48,8 +48,9 @@ def _sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
         return functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal, scale=scale)
 
 
-def _row(kernel: str, shape: str, dtype: torch.dtype, nbytes: int | None, t_ms: float, r_ms: float,
-         copy_gbs: float, sdpa_ms: float | None = None) -> dict:  # fmt: skip
+def bench_row(kernel: str, shape: str, dtype: torch.dtype, nbytes: int | None, t_ms: float, r_ms: float,
+              copy_gbs: float, sdpa_ms: float | None = None) -> dict:  # fmt: skip
+    """One table row: times in ms, GB/s from ``nbytes`` moved (None: compute-bound, no GB/s), share of copy BW."""
     t_gbs = nbytes / t_ms / 1e6 if nbytes else None
     return {
         "kernel": kernel,
@@ -76,7 +77,7 @@ def _store_rows(dtype: torch.dtype, copy_gbs: float) -> list[dict]:
         lens = torch.full((B,), S - T, dtype=torch.int32, device=dev)
         start = torch.zeros(B, dtype=torch.int32, device=dev)
         nbytes = 4 * k.numel() * es  # read k, v; write both into the cache
-        rows.append(_row("store_kv", f"[{B}, {T}, {N_KV_HEADS}, {HEAD_DIM}] -> S={S}", dtype, nbytes,
+        rows.append(bench_row("store_kv", f"[{B}, {T}, {N_KV_HEADS}, {HEAD_DIM}] -> S={S}", dtype, nbytes,
                          _bench_ms(functools.partial(store_kv_triton, k, v, kc, vc, lens, start)),
                          _bench_ms(functools.partial(store_kv_torch, k, v, kc, vc, lens, start)),
                          copy_gbs))  # fmt: skip
@@ -99,7 +100,7 @@ def _decode_rows(dtype: torch.dtype, copy_gbs: float) -> list[dict]:
             r_ms = _bench_ms(functools.partial(decode_attention_torch, q, kc, vc, lens, scale))
             # Every row has the full length here, so SDPA needs no mask (one query sees all keys).
             s_ms = _bench_ms(_sdpa_fn(q[:, :, None], kc, vc, scale, causal=False))
-            rows.append(_row("decode_attention", f"B={B} L={L} Hq={N_HEADS} Hk={N_KV_HEADS} D={HEAD_DIM}", dtype,
+            rows.append(bench_row("decode_attention", f"B={B} L={L} Hq={N_HEADS} Hk={N_KV_HEADS} D={HEAD_DIM}", dtype,
                              nbytes, t_ms, r_ms, copy_gbs, s_ms))  # fmt: skip
             del kc, vc
     return rows
@@ -126,8 +127,8 @@ def _prefill_rows(dtype: torch.dtype, copy_gbs: float) -> list[dict]:
             )
             s_ms = _bench_ms(_sdpa_fn(q.transpose(1, 2), kc, vc, scale, causal=True))
             tflops = f"{flops / t_ms / 1e9:.0f} vs sdpa {flops / s_ms / 1e9:.0f} TFLOP/s"
-            rows.append(_row("prefill_attention", f"B={B} T={T} Hq={N_HEADS} Hk={N_KV_HEADS} D={HEAD_DIM}: {tflops}",
-                             dtype, None, t_ms, r_ms, copy_gbs, s_ms))  # fmt: skip
+            shape = f"B={B} T={T} Hq={N_HEADS} Hk={N_KV_HEADS} D={HEAD_DIM}: {tflops}"
+            rows.append(bench_row("prefill_attention", shape, dtype, None, t_ms, r_ms, copy_gbs, s_ms))
             rows[-1]["triton_tflops"] = flops / t_ms / 1e9
             rows[-1]["sdpa_tflops"] = flops / s_ms / 1e9
             del q, kc, vc
