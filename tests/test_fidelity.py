@@ -3,6 +3,9 @@
 For each row of ``tiny_models.ARCHITECTURES`` and each dtype: logits within ``MODEL_LOGITS_TOL``, 20 greedy tokens
 identical to HF's, and a left-padded batch identical to the same prompts run one by one. Encoders compare hidden
 states (and a right-padded batch against singles on the real tokens). Later features add columns to ``MODES``.
+
+``inject`` mode: rows whose model_type has a policy must run on fused layers (``is_injected``); the other rows
+exercise the no-policy fallback (HF's modules, one warning) and must still match HF.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from tiny_models import ARCHITECTURES, PAD, left_pad, prompts, save_tiny
 from tolerances import MODEL_LOGITS_TOL
 
 import hf_dsinfer  # noqa: F401  (registers inference_config)
+from hf_dsinfer.policies import POLICIES, is_injected
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Extra inference-config settings per mode; the dtype comes from DTYPES.
-MODES = {"hf": {}}
+MODES = {"hf": {}, "inject": {"replace_with_kernel_inject": True}}
 NEW_TOKENS = 20
 
 
@@ -64,6 +68,8 @@ def test_fidelity(name, dtype_name, mode, saved):
     optimized = _load(arch, path, dtype, {"dtype": dtype_name, **MODES[mode]})
     assert optimized.dtype == dtype
     assert hf_dsinfer.integration.apply.get_inference_config(optimized) is not None
+    if MODES[mode].get("replace_with_kernel_inject"):
+        assert is_injected(optimized) == (arch.model_type in POLICIES), "policy rows must run on fused layers"
     tol = MODEL_LOGITS_TOL[dtype]
     batch = prompts()
 

@@ -54,6 +54,18 @@ class DsInferQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         return apply_inference_config(model, self.quantization_config)
 
+    def get_state_dict_and_metadata(self, model: Any) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+        """The state dict ``save_pretrained`` writes: plain HF layout, so the checkpoint loads anywhere.
+
+        Injected models hold packed tensors (``qkv``, ``gate_up``) under fused names; their policy splits them back
+        under the HF names. Other models need no change (None: transformers takes ``model.state_dict()``).
+        """
+        from ..policies import hf_state_dict, is_injected
+
+        if not is_injected(model):
+            return None, {}
+        return hf_state_dict(model), {}
+
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True
 

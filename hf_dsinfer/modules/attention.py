@@ -1,0 +1,134 @@
+"""Fused self-attention over the static KV cache: one QKV GEMM, optional qk-norm, rotary, store, attend, project."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_dsinfer.kernels import decode_attention, prefill_attention, store_kv
+
+from .kv_cache import StaticKVCache
+from .linear import Linear
+from .norms import FusedNorm, NormSpec
+from .rotary import RotaryTable
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape and math of one attention block.
+
+    ``rotary``: apply the model's rotary table (False for learned/absolute positions). ``sliding_window`` W: each
+    query sees its last W positions. ``softcap``: ``cap * tanh(s / cap)`` on the scores. ``qk_norm``: a norm over
+    each head of q and k before rotary (qwen3). ``causal``: False for encoders (needs a non-causal kernel).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    rotary: bool = True
+    sliding_window: int | None = None
+    softcap: float | None = None
+    qk_norm: NormSpec | None = None
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not self.causal:
+            raise NotImplementedError("non-causal (encoder) attention has no fused kernel yet")
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step shares (built once per step by the model-level forward).
+
+    ``start [B]`` int32: left padding of each row among this step's ``T`` tokens. ``cache_lens [B]`` int32: real
+    tokens cached per row before this step. ``seq_lens [B]``: lengths after a single-token step (decode only).
+    ``positions [B*T]``: rotary position of each token. ``rotary``: the model's table (None without rotary).
+    """
+
+    cache: StaticKVCache
+    start: torch.Tensor
+    cache_lens: torch.Tensor
+    positions: torch.Tensor
+    rotary: RotaryTable | None
+    seq_lens: torch.Tensor | None = None
+
+    @property
+    def decode(self) -> bool:
+        return self.seq_lens is not None
+
+
+class FusedAttention(nn.Module):
+    """Self-attention with packed ``qkv [(Hq + 2 Hk) * D, C]`` (rows q, then k, then v) and output ``o [C, Hq * D]``.
+
+    Prefill (``T > 1``) writes the new keys/values with ``store_kv`` and runs ``prefill_attention``; a single-token
+    step runs ``decode_attention`` (split-KV). The cache tensors are the layer's slice of the static cache.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        layer_idx: int,
+        qkv: Linear,
+        o: Linear,
+        q_norm: FusedNorm | None = None,
+        k_norm: FusedNorm | None = None,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        want = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        if qkv.out_features != want:
+            raise ValueError(
+                f"packed qkv has {qkv.out_features} rows, expected (num_heads + 2 * num_kv_heads) * head_dim = {want}"
+            )
+        if (spec.qk_norm is None) != (q_norm is None) or (q_norm is None) != (k_norm is None):
+            raise ValueError("qk_norm in the spec needs both q_norm and k_norm weights (and only then)")
+        self.qkv = qkv
+        self.o = o
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        s = self.spec
+        B, T, _ = x.shape
+        Hq, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = self.qkv(x).view(B, T, Hq + 2 * Hk, D)  # [B, T, Hq + 2Hk, D]
+        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hk], qkv[:, :, Hq + Hk :]  # views, no copy
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # new contiguous [B, T, H, D]
+        if s.rotary:
+            if ctx.rotary is None:
+                raise RuntimeError("attention uses rotary positions but the model has no rotary table")
+            # [B, T, H, D] -> [B*T, H, D] is a view for both layouts above (batch and token strides merge); view(),
+            # not reshape(), so a layout that would need a copy fails loudly instead of rotating a temporary.
+            ctx.rotary(q.view(B * T, Hq, D), k.view(B * T, Hk, D), ctx.positions)
+        k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
+        store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
+        if ctx.decode:
+            out = decode_attention(
+                q[:, 0], k_cache, v_cache, ctx.seq_lens, s.scale, sliding_window=s.sliding_window, softcap=s.softcap
+            )  # [B, Hq, D]
+        else:
+            out = prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                ctx.cache_lens,
+                ctx.start,
+                s.scale,
+                sliding_window=s.sliding_window,
+                softcap=s.softcap,
+            )  # [B, T, Hq, D]
+        return self.o(out.reshape(B, T, Hq * D))  # [B, T, C]
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (
+            f"layer={self.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
+            f"window={s.sliding_window}, softcap={s.softcap}"
+        )

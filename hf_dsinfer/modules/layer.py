@@ -1,0 +1,133 @@
+"""The fused decoder layer: norms fused with residual adds, fused attention, fused MLP.
+
+A layer is described by a :class:`LayerSpec` and built from a flat dict of parameters whose names are fixed here
+(:data:`PARAM_NAMES`); policies map their HF layer's weights onto these names. Layers pass the residual stream as a
+pair ``(hidden, residual)`` whose sum is the true stream, so each norm also performs the add before it in one kernel.
+
+Residual styles (``LayerSpec.residual``):
+
+* ``pre`` (llama):        ``x = x + attn(attn_norm(x)); x = x + mlp(mlp_norm(x))``
+* ``sandwich`` (gemma2):  ``x = x + attn_out_norm(attn(attn_norm(x))); x = x + mlp_out_norm(mlp(mlp_norm(x)))``
+* ``parallel`` (neox, falcon): ``x = x + attn(attn_norm(x)) + mlp(mlp_norm(x))`` (``mlp_norm`` absent: shared norm)
+* ``post`` (bert, opt-350m):  ``x = attn_norm(x + attn(x)); x = mlp_norm(x + mlp(x))``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import AttentionSpec, FusedAttention, StepContext
+from .linear import Linear
+from .mlp import FusedMLP, MLPSpec
+from .norms import FusedNorm, NormSpec
+
+RESIDUAL_STYLES = ("pre", "sandwich", "parallel", "post")
+
+# Every parameter name a fused layer knows, and which ones are required (per residual style for the norms).
+PARAM_NAMES = (
+    "attn_norm.weight", "attn_norm.bias",
+    "mlp_norm.weight", "mlp_norm.bias",
+    "attn_out_norm.weight", "attn_out_norm.bias",
+    "mlp_out_norm.weight", "mlp_out_norm.bias",
+    "attn.qkv.weight", "attn.qkv.bias", "attn.o.weight", "attn.o.bias",
+    "attn.q_norm.weight", "attn.k_norm.weight",
+    "mlp.up.weight", "mlp.up.bias", "mlp.down.weight", "mlp.down.bias",
+)  # fmt: skip
+_NORMS_BY_STYLE = {
+    "pre": ("attn_norm", "mlp_norm"),
+    "sandwich": ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"),
+    "parallel": ("attn_norm",),  # mlp_norm optional
+    "post": ("attn_norm", "mlp_norm"),
+}
+_REQUIRED = ("attn.qkv.weight", "attn.o.weight", "mlp.up.weight", "mlp.down.weight")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything a fused decoder layer computes, apart from its weights."""
+
+    attention: AttentionSpec
+    mlp: MLPSpec
+    norm: NormSpec
+    residual: str = "pre"
+
+    def __post_init__(self) -> None:
+        if self.residual not in RESIDUAL_STYLES:
+            raise ValueError(f"LayerSpec.residual must be one of {RESIDUAL_STYLES}, got {self.residual!r}")
+
+
+class FusedDecoderLayer(nn.Module):
+    """One decoder layer on fused kernels. Build it with :meth:`from_params`."""
+
+    def __init__(
+        self,
+        spec: LayerSpec,
+        attn: FusedAttention,
+        mlp: FusedMLP,
+        norms: dict[str, FusedNorm],
+    ):
+        super().__init__()
+        self.spec = spec
+        self.attn = attn
+        self.mlp = mlp
+        for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
+            setattr(self, name, norms.get(name))
+
+    @classmethod
+    def from_params(cls, spec: LayerSpec, layer_idx: int, params: dict[str, nn.Parameter]) -> FusedDecoderLayer:
+        """Build layer ``layer_idx`` from ``params`` keyed by :data:`PARAM_NAMES` (the tensors are adopted as is)."""
+        unknown = sorted(set(params) - set(PARAM_NAMES))
+        if unknown:
+            raise ValueError(f"unknown fused parameter names {unknown}; valid names: {', '.join(PARAM_NAMES)}")
+        required = list(_REQUIRED) + [f"{n}.weight" for n in _NORMS_BY_STYLE[spec.residual]]
+        if spec.attention.qk_norm is not None:
+            required += ["attn.q_norm.weight", "attn.k_norm.weight"]
+        missing = [n for n in required if n not in params]
+        if missing:
+            raise ValueError(f"layer {layer_idx} ({spec.residual} residual) is missing fused parameters {missing}")
+
+        def linear(prefix: str) -> Linear:
+            return Linear(params[f"{prefix}.weight"], params.get(f"{prefix}.bias"))
+
+        norms = {}
+        for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
+            if f"{name}.weight" in params:
+                norms[name] = FusedNorm(spec.norm, params[f"{name}.weight"], params.get(f"{name}.bias"))
+        q_norm = k_norm = None
+        if spec.attention.qk_norm is not None:
+            q_norm = FusedNorm(spec.attention.qk_norm, params["attn.q_norm.weight"])
+            k_norm = FusedNorm(spec.attention.qk_norm, params["attn.k_norm.weight"])
+        attn = FusedAttention(spec.attention, layer_idx, linear("attn.qkv"), linear("attn.o"), q_norm, k_norm)
+        mlp = FusedMLP(spec.mlp, linear("mlp.up"), linear("mlp.down"))
+        return cls(spec, attn, mlp, norms)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden``/``residual [B, T, C]`` (true stream = hidden + residual; ``residual`` None: hidden alone)."""
+        style = self.spec.residual
+        if style == "post":
+            x = hidden if residual is None else hidden + residual
+            h, _ = self.attn_norm(self.attn(x, ctx), x)  # norm(x + attn(x))
+            out, _ = self.mlp_norm(self.mlp(h), h)  # norm(h + mlp(h))
+            return out, None
+
+        if residual is None:
+            h, residual = self.attn_norm(hidden), hidden
+        else:
+            h, residual = self.attn_norm(hidden, residual)  # [B, T, C] each
+        if style == "parallel":
+            h_mlp = self.mlp_norm(residual) if self.mlp_norm is not None else h
+            return self.attn(h, ctx) + self.mlp(h_mlp), residual
+
+        a = self.attn(h, ctx)
+        if style == "sandwich":
+            a = self.attn_out_norm(a)
+        h, residual = self.mlp_norm(a, residual)
+        m = self.mlp(h)
+        if style == "sandwich":
+            m = self.mlp_out_norm(m)
+        return m, residual

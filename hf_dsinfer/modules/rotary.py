@@ -1,0 +1,60 @@
+"""Rotary position embedding as a cos/sin table: every rope scaling variant is just another table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_dsinfer.kernels import apply_rotary_
+
+
+class RotaryTable(nn.Module):
+    """``cos``/``sin`` tables ``[max_positions, R/2]`` (fp32) and the in-place rotation of q and k.
+
+    Build it with :meth:`from_inv_freq` from the frequencies a model's own rotary module computed, so scaled
+    variants (linear, NTK, yarn, llama3, ...) come out exactly as the model defines them. ``R = 2 * len(inv_freq)``
+    is the rotary dim; head dims past ``R`` are left alone (partial rotary).
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False):
+        super().__init__()
+        if cos.shape != sin.shape or cos.ndim != 2:
+            raise ValueError(f"cos/sin must be matching [P, R/2] tables, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        # Not persistent: the table is derived from the config, never saved with the weights.
+        self.register_buffer("cos", cos.float().contiguous(), persistent=False)  # [P, R/2]
+        self.register_buffer("sin", sin.float().contiguous(), persistent=False)  # [P, R/2]
+        self.interleaved = interleaved
+
+    @classmethod
+    def from_inv_freq(
+        cls,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        attention_scaling: float = 1.0,
+        round_to: torch.dtype | None = None,
+        interleaved: bool = False,
+    ) -> RotaryTable:
+        """Table for positions ``[0, max_positions)``: ``cos(p * inv_freq) * attention_scaling`` (same for sin).
+
+        ``round_to``: round the entries to this dtype (kept in fp32 storage). HF casts its cos/sin to the activation
+        dtype before rotating, so rounding the table the same way keeps half-precision results closer to HF's.
+        """
+        inv_freq = inv_freq.detach().float()  # [R/2]
+        pos = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)  # [P]
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, R/2]
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        if round_to is not None and round_to != torch.float32:
+            cos, sin = cos.to(round_to).float(), sin.to(round_to).float()
+        return cls(cos, sin, interleaved=interleaved)
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.cos.shape[1]
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [N, Hq, D]`` and ``k [N, Hk, D]`` in place by ``positions [N]``; returns ``(q, k)``."""
+        return apply_rotary_(q, k, self.cos, self.sin, positions, interleaved=self.interleaved)

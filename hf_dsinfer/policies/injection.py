@@ -1,0 +1,245 @@
+"""Kernel injection: swap an HF model's decoder layers for fused ones, and give plain HF weights back at save."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modules import FusedDecoderLayer, FusedNorm, StaticKVCache
+from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
+from .runtime import Runtime
+
+INJECTION_ATTR = "_dsinfer_injection"
+
+logger = logging.getLogger("hf_dsinfer")
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` once per process (a model without a policy warns once, not on every load)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+@dataclass
+class Injection:
+    """What injection did to a model: its policy, where the layers are, and each layer's weight map."""
+
+    policy: Policy
+    layers_prefix: str  # state-dict prefix of the layer list, e.g. "model.layers"
+    weight_maps: list[dict[str, Source]]
+    runtime: Runtime
+    tp_plan: dict[str, Any] = field(default_factory=dict)
+    injection_policy: dict[str, list[str]] | None = None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    for m in (model, getattr(model, "module", None), getattr(getattr(model, "base_model", None), "model", None)):
+        if m is not None and getattr(m, INJECTION_ATTR, None) is not None:
+            return m
+    return model
+
+
+def is_injected(model: nn.Module) -> bool:
+    """True when ``model`` (or the model inside an engine / peft wrapper) runs on fused policy layers."""
+    return getattr(_unwrap(model), INJECTION_ATTR, None) is not None
+
+
+def get_injection(model: nn.Module) -> Injection | None:
+    """The :class:`Injection` record of ``model``, or None."""
+    return getattr(_unwrap(model), INJECTION_ATTR, None)
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def validate_injection_policy(model: nn.Module, injection_policy: dict[str, list[str]]) -> None:
+    """Check DeepSpeed's ``injection_policy`` ({layer class: module names}) against ``model``.
+
+    Each key must name a module class present in the model (dotted or bare class name) and every name must be a
+    submodule of each instance of that class; errors name the class or the missing module.
+    """
+    instances: dict[str, list[nn.Module]] = {}
+    for module in model.modules():
+        cls = type(module)
+        instances.setdefault(_class_key(cls), []).append(module)
+        instances.setdefault(cls.__name__, []).append(module)
+    for key, names in injection_policy.items():
+        found = instances.get(key)
+        if not found:
+            classes = sorted({type(m).__name__ for m in model.modules() if "Layer" in type(m).__name__})
+            raise ValueError(
+                f"injection_policy names the layer class {key!r}, which this {type(model).__name__} does not contain; "
+                f"its layer classes are: {', '.join(classes) or '(none)'}."
+            )
+        layer = found[0]
+        for name in names:
+            if get_submodule_or_none(layer, name) is None:
+                children = sorted(n for n, _ in layer.named_modules() if n)
+                raise ValueError(
+                    f"injection_policy[{key!r}] names module {name!r}, which {type(layer).__name__} does not have; "
+                    f"its modules are: {', '.join(children)}."
+                )
+
+
+def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    for name, module in model.named_modules():
+        if module is layers:
+            return name
+    raise RuntimeError("the decoder layer list is not a submodule of the model")
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed memory mappings (Linux), e.g. mmap-ed safetensors."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0":  # inode 0: anonymous memory
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+def _drop_file_pages(spans: list[tuple[int, int]]) -> None:
+    """Tell the kernel the pages of released, file-backed tensors are no longer needed (``MADV_DONTNEED``).
+
+    transformers maps safetensors files into memory, so HF parameters on CPU can be views of the file. Packing reads
+    them, which makes those pages resident; freeing the tensors does not unmap the file (other weights still live in
+    it), so without this the packed copy and the file pages would both count as resident memory. Only whole pages
+    strictly inside a released tensor and inside a file mapping are dropped; a later read would fault them back in
+    from the file, so no data can be lost.
+    """
+    if not spans or not sys.platform.startswith("linux"):
+        return
+    mappings = _file_mappings()
+    if not mappings:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    for ptr, nbytes in spans:
+        lo, hi = -(-ptr // page) * page, (ptr + nbytes) // page * page  # inward to whole pages
+        if hi > lo and any(start <= lo and hi <= end for start, end in mappings):
+            libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # 4 = MADV_DONTNEED
+
+
+def _release(layer: nn.Module, names: set[str]) -> None:
+    """Free the storage of HF parameters that were copied into packed tensors (the HF layer is dropped anyway)."""
+    spans = []
+    for name in names:
+        p = layer.get_parameter(name)
+        if p.device.type == "cpu":
+            storage = p.untyped_storage()
+            spans.append((storage.data_ptr(), storage.nbytes()))
+            del storage
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _drop_file_pages(spans)
+
+
+def inject(model: nn.Module, cfg: Any) -> nn.Module:
+    """Replace ``model``'s decoder layers with fused ones (in place) and return it.
+
+    Models without a policy (or that their policy cannot serve exactly) keep HF's modules, with one warning.
+    ``cfg`` is an :class:`~hf_dsinfer.InferenceConfig` (``max_out_tokens``, ``max_batch_size``, ``injection_policy``).
+    """
+    if is_injected(model):
+        return model
+    injection_policy = getattr(cfg, "injection_policy", None)
+    if injection_policy:
+        validate_injection_policy(model, injection_policy)
+    arch = f"{getattr(model.config, 'model_type', '?')} ({type(model).__name__})"
+    policy = find_policy(model)
+    if policy is None or not policy.serves(model):
+        what = "no kernel-injection policy" if policy is None else f"{type(policy).__name__} has no fused path"
+        warn_once(
+            f"replace_with_kernel_inject=True: {what} for architecture {arch}; running HF's own modules for it "
+            "(output is HF's)."
+        )
+        return model
+    max_tokens, max_batch = int(cfg.max_out_tokens), int(cfg.max_batch_size)
+    reason = policy.unsupported(model, max_tokens)
+    if reason:
+        warn_once(f"replace_with_kernel_inject=True: {arch} keeps HF's own modules because {reason}.")
+        return model
+
+    base = model.base_model
+    layers: nn.ModuleList = getattr(base, policy.layers_attr)
+    # Read every spec and weight map first: a policy error must leave the model untouched.
+    specs, maps = [], []
+    for i, hf_layer in enumerate(layers):
+        specs.append(policy.layer_spec(model, i, hf_layer))
+        wmap = {k: as_source(v) for k, v in policy.weight_map(model, i, hf_layer).items() if v is not None}
+        for fused_name, src in wmap.items():
+            for n in src.names():
+                try:
+                    hf_layer.get_parameter(n)
+                except AttributeError as e:
+                    raise ValueError(
+                        f"{type(policy).__name__}.weight_map: {fused_name!r} reads {n!r}, which layer {i} "
+                        f"({type(hf_layer).__name__}) does not have"
+                    ) from e
+        maps.append(wmap)
+    prefix = _layers_prefix(model, layers)
+
+    for i, hf_layer in enumerate(layers):
+        params: dict[str, nn.Parameter] = {}
+        copied: set[str] = set()
+        shared: set[str] = set()
+        for fused_name, src in maps[i].items():
+            tensor = src.pack(hf_layer.get_parameter)
+            if isinstance(tensor, nn.Parameter):
+                params[fused_name] = tensor
+            else:
+                params[fused_name] = nn.Parameter(tensor, requires_grad=False)
+            (shared if src.shares() else copied).update(src.names())
+        layers[i] = FusedDecoderLayer.from_params(specs[i], i, params)
+        _release(hf_layer, copied - shared)  # one layer at a time: peak memory grows by one layer, not a model
+        del hf_layer, params
+
+    final_norm = None
+    if policy.final_norm_attr is not None:
+        hf_norm = getattr(base, policy.final_norm_attr)
+        final_norm = FusedNorm(policy.norm_spec(hf_norm), hf_norm.weight, getattr(hf_norm, "bias", None))
+        setattr(base, policy.final_norm_attr, final_norm)  # same parameter names: the state dict keeps its keys
+
+    dtype = next(layers[0].parameters()).dtype
+    rotary = policy.rotary_table(model, max_tokens, dtype)
+    cache = StaticKVCache(
+        [s.attention.num_kv_heads for s in specs], [s.attention.head_dim for s in specs], max_tokens, max_batch
+    )
+    runtime = Runtime(policy, layers, final_norm, rotary, cache)
+    record = Injection(policy, prefix, maps, runtime, injection_policy=injection_policy)
+    record.tp_plan = policy.tp_plan(model, specs[0])
+    setattr(model, INJECTION_ATTR, record)
+    policy.install_forward(model, runtime)
+    gc.collect()  # drop the replaced HF layers now, not at some later collection
+    return model
+
+
+def hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of an injected model in plain HF layout (packed tensors split back under HF names)."""
+    target = _unwrap(model)
+    record = get_injection(target)
+    sd = dict(target.state_dict() if state_dict is None else state_dict)
+    if record is None:
+        return sd
+    for i, wmap in enumerate(record.weight_maps):
+        for fused_name, src in wmap.items():
+            key = f"{record.layers_prefix}.{i}.{fused_name}"
+            if key not in sd:
+                raise KeyError(f"state dict of the injected model lacks {key!r}")
+            for hf_name, tensor in src.unpack(sd.pop(key)).items():
+                sd[f"{record.layers_prefix}.{i}.{hf_name}"] = tensor
+    return sd
