@@ -4,6 +4,7 @@
 ``inference_config=`` keyword to ``from_pretrained``. Importing it again is harmless.
 """
 
+from .hybrid import HybridEngine, HybridEngineCallback
 from .integration.config import InferenceConfig, TensorParallelConfig
 from .integration.engine import InferenceEngine, init_inference
 from .integration.hooks import register as _register
@@ -12,4 +13,12 @@ __version__ = "0.1.0"
 
 _register()
 
-__all__ = ["InferenceConfig", "InferenceEngine", "TensorParallelConfig", "init_inference", "__version__"]
+__all__ = [
+    "HybridEngine",
+    "HybridEngineCallback",
+    "InferenceConfig",
+    "InferenceEngine",
+    "TensorParallelConfig",
+    "init_inference",
+    "__version__",
+]

@@ -1,4 +1,4 @@
-"""``hf-dsinfer`` (also ``python -m hf_dsinfer``): ``info`` and ``generate``."""
+"""``hf-dsinfer`` (also ``python -m hf_dsinfer``): ``info``, ``generate`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -106,12 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--dtype", help="fp16, bf16 or fp32 (the config's dtype)")
     p_gen.add_argument("--config", help="an inference config JSON file")
     p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
+    p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
+    from .bench import add_bench_arguments
+
+    add_bench_arguments(p_bench)
     args = parser.parse_args(argv)
     if args.command == "info":
         report = info_report()
         print(json.dumps(report, indent=2)) if args.json else _print_info(report)
     elif args.command == "generate":
         _generate(args)
+    elif args.command == "bench":
+        from .bench import bench_main
+
+        bench_main(args)
     return 0
 
 

@@ -7,13 +7,15 @@ from .backend import describe, get_backend, interpreter_enabled, triton_availabl
 
 __all__ = ["describe", "get_backend", "interpreter_enabled", "triton_available", "use_triton"]
 
-# attention kernels (kv cache, prefill, decode)
+# attention kernels (kv cache, prefill, decode, encoder)
 from .decode_attention import decode_attention, decode_attention_torch, decode_attention_triton  # noqa: E402
+from .encoder_attention import encoder_attention, encoder_attention_torch, encoder_attention_triton  # noqa: E402
 from .kv_cache import store_kv, store_kv_torch, store_kv_triton  # noqa: E402
 from .prefill_attention import prefill_attention, prefill_attention_torch, prefill_attention_triton  # noqa: E402
 
 __all__ += [
     "decode_attention", "decode_attention_torch", "decode_attention_triton",
+    "encoder_attention", "encoder_attention_torch", "encoder_attention_triton",
     "prefill_attention", "prefill_attention_torch", "prefill_attention_triton",
     "store_kv", "store_kv_torch", "store_kv_triton",
 ]  # fmt: skip

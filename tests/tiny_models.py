@@ -71,6 +71,12 @@ ARCHITECTURES: dict[str, Arch] = {
              parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False),
         notes="multi-query, parallel attention",
     ),
+    "falcon_new": Arch(
+        "falcon",
+        dict(_COMMON, hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_kv_heads=2,
+             new_decoder_architecture=True, alibi=False, bias=True),
+        notes="new decoder architecture: GQA 3:1 groups, ln_attn/ln_mlp, biases",
+    ),
     "bert": Arch(
         "bert",
         dict(_COMMON, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6),

@@ -37,39 +37,68 @@ def check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
 
 def check_supported(cfg: InferenceConfig) -> None:
     """Reject settings this version cannot honour, before any work is done (never silently ignore them)."""
-    if cfg.tp_size > 1:
-        raise ValueError(
-            f"tensor_parallel.tp_size={cfg.tp_size}: tensor parallelism is not available in this version of "
-            "hf_dsinfer yet; use tp_size=1."
-        )
-    if cfg.checkpoint is not None or cfg.save_mp_checkpoint_path is not None:
-        raise ValueError(
-            "checkpoint / save_mp_checkpoint_path (DeepSpeed checkpoint descriptions) are not supported by this "
-            "version yet; load weights with from_pretrained(path) instead."
-        )
+    from .. import parallel
+
+    # Tensor parallelism: sets up the process group now, so a tp_size that does not divide the world fails early.
+    parallel.tp_group_from_config(cfg.tensor_parallel)
+    if cfg.checkpoint is not None:
+        parallel.read_description(cfg.checkpoint, cfg.base_dir)  # the file exists and has only known keys
 
 
 def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     """Apply ``cfg`` to a model whose weights are loaded, in place; returns the model.
 
-    Today this records the config, sets eval mode and (through the policies package, when it provides one) swaps in
-    fused layers. Models without a policy keep HF's own modules, so their output is HF's.
+    Records the config, sets eval mode and, with ``replace_with_kernel_inject=True``, validates a user
+    ``injection_policy`` and swaps in fused layers (``hf_dsinfer.policies.inject``). Models without a policy keep
+    HF's own modules (one warning), so their output is HF's.
     """
     setattr(model, CONFIG_ATTR, cfg)
     model.eval()
-    if cfg.replace_with_kernel_inject:
-        try:
-            from ..policies import inject  # provided by the kernel-injection layer
-        except ImportError:
-            inject = None
-        if inject is None:
-            warn_once(
-                "replace_with_kernel_inject=True: fused layers are not available in this build; running HF's own "
-                "modules (output is identical, speed is HF's)."
-            )
-        else:
-            model = inject(model, cfg)
+    apply_tensor_parallel(model, cfg)
+    if cfg.replace_with_kernel_inject and is_tensor_parallel(model):
+        warn_once(
+            "replace_with_kernel_inject=True with tensor parallelism: fused layers do not take TP plans yet; running "
+            "HF's modules split by AutoTP (output is HF's)."
+        )
+    elif cfg.replace_with_kernel_inject:
+        from ..policies import inject
+
+        model = inject(model, cfg)  # validates injection_policy too; models without a policy warn once
+    from ..generation import install_generate
+    from ..policies import get_injection
+
+    install_generate(model, cfg, get_injection(model))  # the fast generate loop (greedy/sampling), per instance
     return model
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """True when ``model`` was split over more than one rank."""
+    from ..parallel import SINGLE
+
+    return getattr(model, "_dsinfer_tp_group", SINGLE).size > 1
+
+
+def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
+    """Split ``model`` over the TP group in place (AutoTP), or load it from ``cfg.checkpoint``; then write the
+    per-rank checkpoint when ``save_mp_checkpoint_path`` is set. A model already split (sharded loading) is kept."""
+    from .. import parallel
+
+    tp_cfg = cfg.tensor_parallel
+    tp = parallel.tp_group_from_config(tp_cfg)
+    if not parallel.is_sharded(model):
+        if cfg.checkpoint is not None:
+            # DeepSpeed's flow: the weights come from the description, whatever the model holds (meta is cheapest).
+            desc = parallel.read_description(cfg.checkpoint, cfg.base_dir)
+            device = torch.device("cpu") if cfg.keep_module_on_host else local_device()
+            parallel.load_from_description(
+                model.to("meta"), desc, tp, tp_cfg.tp_grain_size, cfg.injection_policy, device
+            )
+        elif any(p.is_meta for p in model.parameters()):
+            raise ValueError("the model has weights on the meta device; pass checkpoint= (a checkpoint description).")
+        elif tp.size > 1:
+            parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy)
+    if cfg.save_mp_checkpoint_path is not None:
+        parallel.save_mp_checkpoint(model, tp, cfg.save_mp_checkpoint_path, cfg.dtype, tp_cfg.tp_grain_size)
 
 
 def get_inference_config(model: nn.Module) -> InferenceConfig | None:

@@ -81,10 +81,24 @@ class InferenceEngine(nn.Module):
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``generate`` (timed when profiling is on)."""
+        """The wrapped model's ``generate``.
+
+        When profiling, ``model_times()`` gets one entry per forward step of the call (prefill, then each decode
+        step), as DeepSpeed's per-forward timing does; generate paths that cannot time steps add the call's total.
+        """
         if not hasattr(self.module, "generate"):
             raise AttributeError(f"{type(self.module).__name__} has no generate(); call the engine's forward instead.")
-        return self._timed(self.module.generate, *args, **kwargs)
+        if not self._profile:
+            return self.module.generate(*args, **kwargs)
+        from ..generation.stats import last_generate_stats, step_timing
+
+        before, n_times = last_generate_stats(self.module), len(self._times)
+        with step_timing():
+            out = self._timed(self.module.generate, *args, **kwargs)
+        stats = last_generate_stats(self.module)
+        if stats is not None and stats is not before and stats.step_ms:
+            self._times[n_times:] = list(stats.step_ms)  # the per-step times replace the call's total
+        return out
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -111,6 +125,15 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     first = next(model.parameters(), None)
     device = (first.device if first is not None else torch.device("cpu")) if cfg.keep_module_on_host else local_device()
     check_dtype_supported(cfg.torch_dtype, device)
+    from ..parallel import tp_requested
+
+    if tp_requested(cfg.tensor_parallel) or cfg.checkpoint is not None:
+        # Split (or load) on the host first, so the device never holds the full model.
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(dtype=cfg.torch_dtype)
+        model = apply_inference_config(model, cfg)
+        model.to(device=device)
+        return InferenceEngine(model, cfg)
     # transformers' PreTrainedModel.to refuses dtype casts only for other quantization methods, never ours.
     model.to(device=device, dtype=cfg.torch_dtype)
     model = apply_inference_config(model, cfg)

@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .config import _LOAD_OVERRIDE, QUANT_METHOD, InferenceConfig, normalize_dtype
 from .quantizer import DsInferQuantizer
 
@@ -84,6 +86,10 @@ def load_with_inference_config(
             f"from_pretrained got dtype={explicit!r} but the inference config says dtype={cfg.dtype!r}; set the "
             "dtype in one place (the inference config's `dtype`)."
         )
+    from ..parallel import tp_requested
+
+    if tp_requested(cfg.tensor_parallel) or cfg.checkpoint is not None:
+        return _load_tensor_parallel(cls, args, cfg, kwargs)
     token = _LOAD_OVERRIDE.set(cfg)
     try:
         with warnings.catch_warnings():
@@ -91,3 +97,57 @@ def load_with_inference_config(
             return original(cls, *args, **kwargs)
     finally:
         _LOAD_OVERRIDE.reset(token)
+
+
+# from_pretrained keywords the tensor-parallel loader can ignore at these values (Auto classes pass them along).
+_IGNORABLE = {
+    "cache_dir": None, "force_download": False, "local_files_only": False, "token": None, "revision": "main",
+    "subfolder": "", "proxies": None, "code_revision": None, "_from_auto": None, "_from_pipeline": None,
+    "adapter_kwargs": None, "_commit_hash": None, "use_safetensors": True, "low_cpu_mem_usage": True,
+    "device_map": None, "_adapter_model_path": None, "trust_remote_code": None, "output_loading_info": False,
+}
+
+
+def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: dict[str, Any]) -> Any:
+    """``from_pretrained`` with tensor parallelism: each rank reads only its slices (``hf_dsinfer.parallel``)."""
+    import os
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from .. import parallel
+    from .apply import apply_inference_config, check_supported, local_device
+
+    check_supported(cfg)
+    if not args:
+        raise TypeError("from_pretrained needs the model path as its first argument.")
+    path, extra = os.fspath(args[0]), args[1:]
+    config = kwargs.pop("config", None)
+    attn = kwargs.pop("attn_implementation", None)
+    trust = kwargs.get("trust_remote_code")
+    for key in ("quantization_config", "dtype", "torch_dtype"):
+        kwargs.pop(key, None)  # the config's dtype was checked against these above
+    free = ("_from_auto", "_from_pipeline", "_commit_hash", "trust_remote_code", "token", "cache_dir", "adapter_kwargs")
+    if "_adapter_model_path" in (kwargs.get("adapter_kwargs") or {}):
+        kwargs["_adapter_model_path"] = True  # a peft adapter directory: not supported with TP (reported below)
+    bad = [k for k, v in kwargs.items() if k not in _IGNORABLE or (k not in free and v != _IGNORABLE[k] and v)]
+    if extra or bad:
+        raise ValueError(
+            f"from_pretrained with tensor parallelism does not support {sorted(bad) or 'positional model args'}; "
+            "remove them (the model goes to this rank's device; weights are read from local safetensors files)."
+        )
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    if config is None:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    desc = parallel.read_description(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint is not None else None
+    model = parallel.load_pretrained_tp(
+        cls, path, config, parallel.tp_group_from_config(cfg.tensor_parallel), cfg.torch_dtype,
+        grain=cfg.tensor_parallel.tp_grain_size, injection_policy=cfg.injection_policy, checkpoint=desc,
+        attn_implementation=attn, device=torch.device("cpu") if cfg.keep_module_on_host else local_device(),
+    )
+    model.config.name_or_path = path
+    if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return apply_inference_config(model, cfg)

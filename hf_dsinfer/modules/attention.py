@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dsinfer.kernels import decode_attention, prefill_attention, store_kv
+from hf_dsinfer.kernels import decode_attention, encoder_attention, prefill_attention, store_kv
 
 from .kv_cache import StaticKVCache
 from .linear import Linear
@@ -21,7 +21,8 @@ class AttentionSpec:
 
     ``rotary``: apply the model's rotary table (False for learned/absolute positions). ``sliding_window`` W: each
     query sees its last W positions. ``softcap``: ``cap * tanh(s / cap)`` on the scores. ``qk_norm``: a norm over
-    each head of q and k before rotary (qwen3). ``causal``: False for encoders (needs a non-causal kernel).
+    each head of q and k before rotary (qwen3). ``causal``: False for encoders: every token attends every real token
+    of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache.
     """
 
     num_heads: int
@@ -37,8 +38,8 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if not self.causal:
-            raise NotImplementedError("non-causal (encoder) attention has no fused kernel yet")
+        if not self.causal and (self.sliding_window is not None or self.softcap is not None):
+            raise ValueError("non-causal (encoder) attention supports neither sliding_window nor softcap")
 
 
 @dataclass
@@ -48,14 +49,16 @@ class StepContext:
     ``start [B]`` int32: left padding of each row among this step's ``T`` tokens. ``cache_lens [B]`` int32: real
     tokens cached per row before this step. ``seq_lens [B]``: lengths after a single-token step (decode only).
     ``positions [B*T]``: rotary position of each token. ``rotary``: the model's table (None without rotary).
+    ``key_lens [B]``: encoders only (non-causal attention, ``cache`` None): real tokens per right-padded row.
     """
 
-    cache: StaticKVCache
+    cache: StaticKVCache | None
     start: torch.Tensor
     cache_lens: torch.Tensor
     positions: torch.Tensor
     rotary: RotaryTable | None
     seq_lens: torch.Tensor | None = None
+    key_lens: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:
@@ -67,6 +70,7 @@ class FusedAttention(nn.Module):
 
     Prefill (``T > 1``) writes the new keys/values with ``store_kv`` and runs ``prefill_attention``; a single-token
     step runs ``decode_attention`` (split-KV). The cache tensors are the layer's slice of the static cache.
+    Non-causal (encoder) attention uses no cache: ``encoder_attention`` over this step's keys only.
     """
 
     def __init__(
@@ -107,6 +111,11 @@ class FusedAttention(nn.Module):
             # [B, T, H, D] -> [B*T, H, D] is a view for both layouts above (batch and token strides merge); view(),
             # not reshape(), so a layout that would need a copy fails loudly instead of rotating a temporary.
             ctx.rotary(q.view(B * T, Hq, D), k.view(B * T, Hk, D), ctx.positions)
+        if not s.causal:
+            if ctx.key_lens is None:
+                raise RuntimeError("non-causal attention needs StepContext.key_lens (real tokens per row)")
+            out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
+            return self.o(out.reshape(B, T, Hq * D))
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
@@ -130,5 +139,5 @@ class FusedAttention(nn.Module):
         s = self.spec
         return (
             f"layer={self.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
-            f"window={s.sliding_window}, softcap={s.softcap}"
+            f"window={s.sliding_window}, softcap={s.softcap}" + ("" if s.causal else ", causal=False")
         )

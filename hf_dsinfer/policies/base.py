@@ -52,6 +52,15 @@ class Source(ABC):
         """True when :meth:`pack` returns the HF parameter itself (nothing to free after packing)."""
         return False
 
+    def pack_into(self, get: GetParam, out: torch.Tensor) -> None:
+        """Write the fused tensor into the existing ``out`` in place (the Hybrid Engine's weight refresh).
+
+        ``out`` keeps its storage, so anything that captured its address (a CUDA graph) stays valid; values are
+        cast to ``out``'s dtype. The default packs a temporary and copies it; the built-in sources write straight
+        into ``out`` (or its row slices). ``get`` may return new tensors (e.g. LoRA-fused weights), never written.
+        """
+        _copy_checked(self, self.pack(get), out)
+
 
 class Param(Source):
     """One HF parameter used as is: the fused layer adopts the very same ``nn.Parameter`` (no copy)."""
@@ -71,6 +80,9 @@ class Param(Source):
     def shares(self) -> bool:
         return True
 
+    def pack_into(self, get: GetParam, out: torch.Tensor) -> None:
+        _copy_checked(self, get(self.name), out)
+
     def __repr__(self) -> str:
         return f"Param({self.name!r})"
 
@@ -89,6 +101,9 @@ class Transposed(Source):
 
     def unpack(self, fused: torch.Tensor) -> dict[str, torch.Tensor]:
         return {self.name: fused.t().contiguous()}
+
+    def pack_into(self, get: GetParam, out: torch.Tensor) -> None:
+        _copy_checked(self, get(self.name).detach().t(), out)
 
     def __repr__(self) -> str:
         return f"Transposed({self.name!r})"
@@ -123,8 +138,29 @@ class Cat(Source):
             out.update(part.unpack(chunk.contiguous()))
         return out
 
+    def pack_into(self, get: GetParam, out: torch.Tensor) -> None:
+        # Each part writes into its own row slice of ``out``: no temporary of the whole packed tensor.
+        rows = self.rows if self.rows is not None else [p.pack(get).shape[0] for p in self.parts]
+        if sum(rows) != out.shape[0]:
+            raise ValueError(f"{self!r}: parts have {sum(rows)} rows but the fused tensor has {out.shape[0]}")
+        offset = 0
+        for part, n in zip(self.parts, rows):
+            part.pack_into(get, out.narrow(0, offset, n))
+            offset += n
+
     def __repr__(self) -> str:
         return f"Cat({', '.join(map(repr, self.parts))})"
+
+
+def _copy_checked(source: Source, value: torch.Tensor, out: torch.Tensor) -> None:
+    """``out.copy_(value)`` after checking shapes: ``copy_`` would silently broadcast a wrong-shaped value."""
+    if tuple(value.shape) != tuple(out.shape):
+        raise ValueError(
+            f"{source!r} gives shape {tuple(value.shape)} but the existing fused tensor has {tuple(out.shape)}: the "
+            "source model does not match the architecture the fused layers were built for."
+        )
+    with torch.no_grad():
+        out.copy_(value.detach())
 
 
 def as_source(value: str | Source) -> Source:
@@ -172,7 +208,7 @@ class Policy:
     methods, and decorate the class with :func:`register`.
 
     Paths are attribute names inside the model's base model (``model.base_model``, e.g. ``LlamaModel``), so one
-    policy serves both the bare model and its ``*ForCausalLM``.
+    policy serves both the bare model and its ``*ForCausalLM``; dotted paths (``"decoder.layers"``) reach deeper.
     """
 
     #: ``config.model_type`` values this policy serves.
@@ -251,7 +287,16 @@ class Policy:
 
     def embed(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[B, T, C]`` (learned-position models add theirs here, from ``position_ids [B, T]``)."""
-        return getattr(model.base_model, self.embed_attr)(input_ids)
+        return model.base_model.get_submodule(self.embed_attr)(input_ids)
+
+    def embed_inputs(self, model: nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The first hidden state ``[B, T, C]`` when the caller passes ``inputs_embeds`` instead of ids: used as is by
+        default; models that add learned positions (or project embeddings) to them in HF do the same here."""
+        return inputs_embeds
+
+    def finalize_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Last touch on the hidden states after the final norm, before the LM head (opt's ``project_out``)."""
+        return hidden
 
     def default_position_ids(
         self, attention_mask: torch.Tensor | None, past: int, batch: int, width: int, device: torch.device
@@ -298,6 +343,26 @@ class Policy:
         from .runtime import install_causal_lm_forward
 
         install_causal_lm_forward(model, runtime)
+
+    def pack_into(
+        self,
+        model: nn.Module,
+        idx: int,
+        fused_layer: nn.Module,
+        get: GetParam,
+        weight_map: dict[str, Source | str | None],
+    ) -> None:
+        """Re-pack HF weights of decoder layer ``idx`` into the *existing* parameters of ``fused_layer``, in place.
+
+        Used by the Hybrid Engine to refresh an injected inference copy from training weights without moving its
+        buffers (CUDA graphs keep valid addresses). ``get(name)`` returns the HF tensor for a name relative to the
+        layer (it may be computed, e.g. LoRA-fused; it is only read); ``weight_map`` is the map recorded at injection
+        (``get_injection(model).weight_maps[idx]``). The default covers every :class:`Source`, custom ones included
+        (through :meth:`Source.pack_into`); override only when re-packing needs more than the weight map.
+        """
+        for fused_name, src in weight_map.items():
+            if src is not None:
+                as_source(src).pack_into(get, fused_layer.get_parameter(fused_name).data)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

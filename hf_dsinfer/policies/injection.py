@@ -175,7 +175,7 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
         return model
 
     base = model.base_model
-    layers: nn.ModuleList = getattr(base, policy.layers_attr)
+    layers: nn.ModuleList = base.get_submodule(policy.layers_attr)
     # Read every spec and weight map first: a policy error must leave the model untouched.
     specs, maps = [], []
     for i, hf_layer in enumerate(layers):
@@ -209,10 +209,12 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
         del hf_layer, params
 
     final_norm = None
-    if policy.final_norm_attr is not None:
-        hf_norm = getattr(base, policy.final_norm_attr)
+    hf_norm = get_submodule_or_none(base, policy.final_norm_attr)  # None too when the model has none (post-norm opt)
+    if hf_norm is not None:
         final_norm = FusedNorm(policy.norm_spec(hf_norm), hf_norm.weight, getattr(hf_norm, "bias", None))
-        setattr(base, policy.final_norm_attr, final_norm)  # same parameter names: the state dict keeps its keys
+        parent, _, attr = policy.final_norm_attr.rpartition(".")
+        # same parameter names: the state dict keeps its keys
+        setattr(base.get_submodule(parent) if parent else base, attr, final_norm)
 
     dtype = next(layers[0].parameters()).dtype
     rotary = policy.rotary_table(model, max_tokens, dtype)

@@ -166,7 +166,7 @@ class Runtime:
         if input_ids is not None:
             hidden = self.policy.embed(model, input_ids, positions)  # [B, T, C]
         else:
-            hidden = inputs_embeds
+            hidden = self.policy.embed_inputs(model, inputs_embeds, positions)
         if fresh:
             cache.start(batch, device, hidden.dtype)
         if self.rotary is not None and self.rotary.cos.device != device:
@@ -181,6 +181,7 @@ class Runtime:
             hidden = self.final_norm(hidden) if residual is None else self.final_norm(hidden, residual)[0]
         elif residual is not None:
             hidden = hidden + residual
+        hidden = self.policy.finalize_hidden(model, hidden)
         cache.advance(width - start, width)
         return hidden, InjectedCache(self)
 

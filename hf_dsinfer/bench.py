@@ -1,0 +1,352 @@
+"""``hf-dsinfer bench``: HF eager, HF static cache + torch.compile and hf_dsinfer generate, side by side.
+
+Models come from shape presets with random weights built directly on the device (parameters on the meta device,
+then materialized with a seeded random init; no download), one fresh model per contender so that no contender sees
+another's changes. Each contender runs ``generate`` once to warm up, then once for one token (time to first token)
+and once for ``new_tokens`` tokens; the difference is the decode time. EOS is disabled so every run generates
+exactly ``new_tokens`` tokens.
+
+Achieved GB/s is what one decode step must read (the weights, less the input embedding table of which it gathers a
+few rows, plus the KV cache at the mean context length) over the step time, and is compared with the device's copy
+bandwidth measured in the same run (a large memcpy on CPU too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_COMMON = dict(bos_token_id=1, eos_token_id=None, pad_token_id=0)
+# name -> (model_type, config overrides)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)),
+    "small": ("llama", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)),
+    "llama2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                max_position_embeddings=4096)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                max_position_embeddings=8192, rope_theta=500000.0)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                   max_position_embeddings=32768, sliding_window=4096)),
+    "qwen2-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "opt-1.3b": ("opt", dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
+                             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)),
+}  # fmt: skip
+PEERS = ("eager", "compile", "dsinfer")
+PEER_TITLES = {"eager": "HF eager", "compile": "HF static+compile", "dsinfer": "hf_dsinfer"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class BenchArgs:
+    """One benchmark run's settings (the CLI's options)."""
+
+    preset: str = "tiny"
+    batch_sizes: tuple[int, ...] = (1, 4)
+    prompt_len: int = 32
+    new_tokens: int = 32
+    dtype: str = "fp32"
+    peers: tuple[str, ...] = PEERS
+    repeats: int = 1
+    device: str | None = None
+    seed: int = 0
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+
+
+def preset_config(name: str):
+    """The transformers config of preset ``name`` (EOS disabled so runs have a fixed length)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    model_type, overrides = PRESETS[name]
+    return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+
+
+@torch.no_grad()
+def build_random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A causal LM of ``config`` with random weights, built on the meta device and materialized on ``device``.
+
+    Matrices get N(0, 0.02), 1-D ``weight`` tensors (norms) ones and biases zeros; tied parameters stay tied.
+    Buffers (rotary frequencies) are computed for real at construction, so they are exact.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                t = torch.empty(p.shape, dtype=dtype, device=device)
+                if name == "bias":
+                    t.zero_()
+                elif p.dim() == 1:
+                    t.fill_(1.0)
+                else:
+                    t.normal_(0.0, 0.02, generator=gen)
+                done[id(p)] = nn.Parameter(t, requires_grad=False)
+            module._parameters[name] = done[id(p)]
+    model.tie_weights()  # from_config on meta does not tie (transformers ties at load time)
+    model.to(device)  # the buffers
+    return model.eval()
+
+
+def decode_bytes(model: nn.Module, config, batch: int, context: float, dtype: torch.dtype) -> float:
+    """Bytes one decode step reads: weights (less the gathered input embedding) plus the KV cache at ``context``."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is not None and (head is None or head.weight is not emb.weight):
+        total -= emb.weight.numel() * emb.weight.element_size()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * elem * batch * context
+    return float(total + kv)
+
+
+# -- measuring ------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int | None = None) -> float:
+    """Copy bandwidth of ``device`` in GB/s (bytes read + written), best of several large tensor copies."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 28)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5 if device.type == "cuda" else 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _peak_mem_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
+
+
+def _prepare(peer: str, model: nn.Module, args: BenchArgs, device: torch.device) -> tuple[nn.Module, dict]:
+    """The model to call ``generate`` on and the extra generate kwargs of contender ``peer``."""
+    if peer == "eager":
+        return model, {}
+    if peer == "compile":
+        from transformers import CompileConfig
+
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        cc = CompileConfig(mode=mode, fullgraph=False)
+        cc._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+        return model, dict(cache_implementation="static", compile_config=cc)
+    from .integration.engine import init_inference
+
+    engine = init_inference(
+        model,
+        dtype=args.dtype,
+        replace_with_kernel_inject=True,
+        enable_cuda_graph=device.type == "cuda",
+        max_out_tokens=args.prompt_len + args.new_tokens,
+        max_batch_size=max(args.batch_sizes),
+        keep_module_on_host=device.type != "cuda",
+    )
+    return engine.module, {}
+
+
+def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, progress=None) -> list[dict]:
+    """Benchmark contender ``peer`` at every batch size; one row per batch size."""
+    config = preset_config(args.preset)
+    dtype = DTYPES[args.dtype]
+    rows = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model = build_random_model(config, device, dtype, args.seed)
+        model, extra = _prepare(peer, model, args, device)
+    except Exception as e:  # noqa: BLE001 - a contender that cannot start is reported, not fatal
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if progress is not None:
+            progress.update(len(args.batch_sizes))
+        return [_na_row(peer, b, args, reason) for b in args.batch_sizes]
+    for batch in args.batch_sizes:
+        g = torch.Generator().manual_seed(args.seed + batch)
+        ids = torch.randint(3, config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **extra)
+        try:
+            with torch.no_grad():
+                model.generate(**kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)  # warm-up
+                first, full = [], []
+                for _ in range(args.repeats):
+                    first.append(_timed(device, functools.partial(model.generate, **kw, max_new_tokens=1)))
+                    full.append(_timed(device, functools.partial(
+                        model.generate, **kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)))
+        except Exception as e:  # noqa: BLE001
+            rows.append(_na_row(peer, batch, args, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+        else:
+            ttft, total = statistics.median(first), statistics.median(full)
+            ms_tok = max(total - ttft, 1e-6) / max(args.new_tokens - 1, 1)
+            context = args.prompt_len + args.new_tokens / 2
+            gbs = decode_bytes(model, config, batch, context, dtype) / (ms_tok / 1e3) / 1e9
+            rows.append(dict(
+                peer=peer, name=PEER_TITLES[peer], batch=batch, prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, ttft_ms=round(ttft, 3), ms_per_token=round(ms_tok, 4),
+                decode_tokens_per_s=round(batch * 1e3 / ms_tok, 2), total_ms=round(total, 3),
+                peak_mem_mib=round(_peak_mem_mib(device), 1), gbs=round(gbs, 2),
+                pct_copy_bw=round(100 * gbs / copy_gbs, 1), note="",
+            ))  # fmt: skip
+        if progress is not None:
+            progress.update(1)
+    del model
+    return rows
+
+
+def _na_row(peer: str, batch: int, args: BenchArgs, reason: str) -> dict:
+    return dict(peer=peer, name=PEER_TITLES[peer], batch=batch, prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, ttft_ms=None, ms_per_token=None, decode_tokens_per_s=None,
+                total_ms=None, peak_mem_mib=None, gbs=None, pct_copy_bw=None, note=f"n/a: {reason}")  # fmt: skip
+
+
+def run_bench(args: BenchArgs) -> dict:
+    """Run every contender of ``args``; returns the JSON-ready report."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for peer in args.peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    copy_gbs = copy_bandwidth_gbs(device)
+    rows: list[dict] = []
+    with tqdm(total=len(args.peers) * len(args.batch_sizes), desc=f"bench {args.preset}", unit="run") as bar:
+        for peer in args.peers:
+            bar.set_postfix(peer=peer)
+            rows.extend(run_peer(peer, args, device, copy_gbs, bar))
+    if device.type == "cuda":
+        dev_name = torch.cuda.get_device_name(device)
+    else:
+        dev_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return dict(
+        preset=args.preset, device=dev_name, dtype=args.dtype, copy_gbs=round(copy_gbs, 2),
+        settings=dict(batch_sizes=list(args.batch_sizes), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                      repeats=args.repeats, peers=list(args.peers)),
+        versions={"torch": torch.__version__, "transformers": _transformers_version()},
+        rows=rows,
+    )  # fmt: skip
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown_table(report: dict) -> str:
+    """The report as a markdown table (one row per contender and batch size), with a header line."""
+    s = report["settings"]
+    lines = [
+        f"**{report['preset']}** on {report['device']}, {report['dtype']}, prompt {s['prompt_len']}, "
+        f"{s['new_tokens']} new tokens; copy bandwidth {report['copy_gbs']:.1f} GB/s",
+        "",
+        "| contender | batch | first token ms | decode tok/s | ms/token | peak MiB | GB/s | % copy BW | speedup "
+        "| note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    base = {r["batch"]: r["decode_tokens_per_s"] for r in report["rows"] if r["peer"] == "eager"}
+    for r in report["rows"]:
+        ref = base.get(r["batch"])
+        speed = r["decode_tokens_per_s"] / ref if r["decode_tokens_per_s"] and ref else None
+        lines.append(
+            f"| {r['name']} | {r['batch']} | {_fmt(r['ttft_ms'], '.2f')} | {_fmt(r['decode_tokens_per_s'], '.1f')} "
+            f"| {_fmt(r['ms_per_token'], '.3f')} | {_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['gbs'], '.2f')} "
+            f"| {_fmt(r['pct_copy_bw'], '.1f')} | {_fmt(speed, '.2f')}{'x' if speed else ''} | {r['note']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model shape (random weights)")
+    p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (median; default 3 CUDA, 1 CPU)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", default=".", help="directory for bench-<preset>.json and bench-<preset>.md")
+
+
+def bench_main(ns: argparse.Namespace) -> dict:
+    """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
+    cuda = (ns.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args = BenchArgs(
+        preset=ns.preset,
+        batch_sizes=tuple(int(b) for b in str(ns.batch_sizes).split(",") if b.strip()),
+        prompt_len=ns.prompt_len,
+        new_tokens=ns.new_tokens,
+        dtype=ns.dtype or ("bf16" if cuda else "fp32"),
+        peers=tuple(p.strip() for p in str(ns.peers).split(",") if p.strip()),
+        repeats=ns.repeats or (3 if cuda else 1),
+        device=ns.device,
+    )
+    if args.new_tokens < 2 or args.prompt_len < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise SystemExit("bench needs --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    report = run_bench(args)
+    table = markdown_table(report)
+    os.makedirs(ns.out, exist_ok=True)
+    stem = os.path.join(ns.out, f"bench-{args.preset}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(table)
+    print(table)
+    print(f"wrote {stem}.json and {stem}.md")
+    return report

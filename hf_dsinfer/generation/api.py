@@ -1,0 +1,163 @@
+"""``install_generate``: the per-instance ``generate`` of models loaded with an inference config.
+
+The override keeps transformers' ``generate`` as the front door (argument handling, validation, processors,
+streamers, pipelines all behave as documented by transformers) and swaps only the decoding loop:
+
+* greedy search and sampling on a model with fused layers run :func:`~hf_dsinfer.generation.loop.decoding_loop`
+  (passed as ``custom_generate``), with CUDA-graph decode steps when ``enable_cuda_graph`` is on and the model is
+  on CUDA;
+* everything else (beam search, assisted decoding, user logits processors or stopping criteria, a user cache,
+  ``inputs_embeds``, ...) runs transformers' own loop on the model's fused forward and static cache, with one
+  warning per kind of request.
+
+Either way the request is checked against ``max_out_tokens`` before any work, and the call's timing is recorded
+(:func:`~hf_dsinfer.generation.stats.last_generate_stats`).
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .decode import DecodeGraphs, DecodeStep
+from .forward_graphs import install_forward_graphs
+from .loop import CURRENT_CALL, CallContext, check_capacity, decoding_loop, warn_fallback
+from .stats import StepTimer, forward_marks, record_stats
+
+GEN_ATTR = "_dsinfer_generation"
+
+# generate() arguments that select something other than the plain greedy / sampling loop
+_HF_ONLY_ARGS = ("assistant_model", "custom_generate", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+                 "negative_prompt_attention_mask", "past_key_values", "inputs_embeds", "cache_implementation",
+                 "assistant_tokenizer", "synced_gpus", "trust_remote_code")  # fmt: skip
+
+
+class GenerationState:
+    """What ``generate`` needs of one model: its config, fused runtime (or None), decode step and graphs."""
+
+    def __init__(self, model: nn.Module, cfg: Any, runtime: Any, hf_generate: Any):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.hf_generate = hf_generate  # transformers' generate, bound to the model
+        self.step = DecodeStep(model, runtime) if runtime is not None else None
+        self.graphs = None
+        if self.step is not None and getattr(cfg, "enable_cuda_graph", False):
+            self.graphs = DecodeGraphs(self.step, cfg.cuda_graph_batch_sizes, cfg.max_batch_size)
+
+
+def install_generate(model: nn.Module, cfg: Any, injection: Any = None) -> nn.Module:
+    """Give ``model`` (this instance only) hf_dsinfer's ``generate``; returns the model.
+
+    ``injection``: the kernel-injection record of the model (anything with a ``runtime`` attribute: the fused
+    layers, static cache, policy), or None for a model running HF's modules (then only timing is added).
+    Models that cannot generate (encoders) get bucketed CUDA-graph forwards instead when ``enable_cuda_graph`` is
+    set (:mod:`~hf_dsinfer.generation.forward_graphs`). Installing twice is harmless.
+    """
+    if getattr(model, GEN_ATTR, None) is not None:
+        return model
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        if getattr(cfg, "enable_cuda_graph", False) and getattr(model, "_dsinfer_forward_graphs", None) is None:
+            install_forward_graphs(model, cfg)  # encoders: DeepSpeed's forward graphs (CUDA only)
+        return model
+    runtime = getattr(injection, "runtime", None)
+    if runtime is not None and model.get_output_embeddings() is None:
+        runtime = None  # a bare base model: no logits to decode from
+    hf_generate = model.__dict__.get("generate") or MethodType(type(model).generate, model)
+    state = GenerationState(model, cfg, runtime, hf_generate)
+    object.__setattr__(model, GEN_ATTR, state)  # plain attribute: not a submodule, not in the state dict
+    model.generate = MethodType(generate, model)
+    return model
+
+
+def _prompt_width(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        return ids.shape[-1]
+    return None
+
+
+def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> tuple[str | None, Any]:
+    """(why transformers' loop must run, or None for the fast loop; the resolved generation config or None)."""
+    gen_config = None
+    try:
+        gen_config, _ = self._prepare_generation_config(kwargs.get("generation_config"), **{
+            k: v for k, v in kwargs.items() if k != "generation_config"})  # fmt: skip
+    except Exception:  # noqa: BLE001 - transformers will raise the same error, with its own message, below
+        return "an invalid generation config", None
+    if state.runtime is None:
+        return "no fused layers", gen_config
+    for name in _HF_ONLY_ARGS:
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            return f"generate({name}=...)", gen_config
+    for name in ("logits_processor", "stopping_criteria"):
+        if kwargs.get(name):
+            return f"a user {name}", gen_config
+    width_ok = _prompt_width(args, kwargs) is not None
+    if not width_ok:
+        return "a call without input_ids", gen_config
+    if gen_config.num_beams != 1 or getattr(gen_config, "num_beam_groups", 1) not in (1, None):
+        return "beam search", gen_config
+    if getattr(gen_config, "penalty_alpha", None) is not None or getattr(gen_config, "prompt_lookup_num_tokens", None):
+        return "contrastive search / prompt lookup", gen_config
+    return None, gen_config
+
+
+def _max_new_tokens(gen_config: Any, width: int) -> int:
+    if gen_config.max_new_tokens is not None:
+        return int(gen_config.max_new_tokens)
+    max_length = gen_config.max_length if gen_config.max_length is not None else 20
+    return max(int(max_length) - width, 1)
+
+
+@torch.no_grad()
+def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``generate`` with hf_dsinfer's decoding loop (see the module docstring)."""
+    state: GenerationState = getattr(self, GEN_ATTR)
+    reason, gen_config = _route(self, state, args, kwargs)
+    width = _prompt_width(args, kwargs)
+    if state.runtime is not None and gen_config is not None and width is not None:
+        check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)  # before any work
+    p = next(self.parameters(), None)
+    timer = StepTimer(p.device if p is not None else "cpu")
+    call = CallContext(state=state, timer=timer, streamer=kwargs.get("streamer"))
+    timer.start()
+    if reason is None:
+        token = CURRENT_CALL.set(call)
+        tokenizer = kwargs.get("tokenizer")
+        if tokenizer is not None:
+            # transformers drops `tokenizer` for custom_generate callables, but its stop-string criteria need it.
+            object.__setattr__(self, "_get_stopping_criteria", _criteria_with_tokenizer(self, tokenizer))
+        try:
+            out = state.hf_generate(*args, custom_generate=decoding_loop, **kwargs)
+        finally:
+            CURRENT_CALL.reset(token)
+            self.__dict__.pop("_get_stopping_criteria", None)
+    else:
+        if reason != "no fused layers":
+            warn_fallback(reason)
+        call.path = "hf"
+        with forward_marks(self, timer):
+            out = state.hf_generate(*args, **kwargs)
+    seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
+        batch = seqs.shape[0]
+        new = call.new_tokens or max(seqs.shape[1] - (width or 0), 0)
+        record_stats(self, timer.finish(batch, width or 0, new, call.path))
+    return out
+
+
+def _criteria_with_tokenizer(model: nn.Module, tokenizer: Any):
+    """``model._get_stopping_criteria`` that falls back to ``tokenizer`` (for one call)."""
+    method = type(model)._get_stopping_criteria
+
+    def get(*args: Any, **kwargs: Any):
+        if kwargs.get("tokenizer") is None:
+            kwargs["tokenizer"] = tokenizer
+        return method(model, *args, **kwargs)
+
+    return get

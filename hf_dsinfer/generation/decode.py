@@ -1,0 +1,106 @@
+"""The decode step over an injected model's static KV cache, and its CUDA-graph runner.
+
+:class:`DecodeStep` computes one token for every row: ``(input_ids [B, 1], positions [B, 1]) -> logits [B, V]``.
+It reads the runtime that kernel injection attaches to a model (its policy, fused layers, final norm, rotary table
+and :class:`~hf_dsinfer.modules.StaticKVCache`), keeps every changing value in device tensors and advances the
+per-row cache lengths in place, so it is graph-safe. The host-side ``padded_len`` of the cache is the caller's to
+advance (a replayed graph cannot run Python).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modules import StepContext
+from .graph_runner import GraphRunner, StaticInput, batch_buckets
+
+logger = logging.getLogger("hf_dsinfer")
+
+
+class DecodeStep:
+    """One decode step of an injected causal LM, graph-safe (see the module docstring).
+
+    Args:
+        model: the top-level model (``*ForCausalLM``); its policy hooks receive it.
+        runtime: the injection runtime (``policy``, ``layers``, ``final_norm``, ``rotary``, ``cache``).
+    """
+
+    def __init__(self, model: nn.Module, runtime: Any):
+        self.model = model
+        self.runtime = runtime
+        self.policy = runtime.policy
+        self.cache = runtime.cache
+        self.lm_head = model.get_output_embeddings()
+        self._start: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, 1]``, ``positions [B, 1]`` (int64, device) -> fp32 logits ``[B, V]``."""
+        rt, cache = self.runtime, self.cache
+        batch = input_ids.shape[0]
+        hidden = self.policy.embed(self.model, input_ids, positions)  # [B, 1, C]
+        if self._start is None or self._start.shape[0] < batch or self._start.device != input_ids.device:
+            self._start = torch.zeros(max(batch, cache.allocated_rows), dtype=torch.int32, device=input_ids.device)
+        start = self._start[:batch]  # [B]: a decode token is never padding
+        cache_lens = cache.lengths[:batch]  # [B] int32: tokens stored before this step
+        ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), rt.rotary, cache_lens + 1)
+        residual = None
+        for layer in rt.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+        if rt.final_norm is not None:
+            hidden = rt.final_norm(hidden) if residual is None else rt.final_norm(hidden, residual)[0]
+        elif residual is not None:
+            hidden = hidden + residual
+        finalize_hidden = getattr(self.policy, "finalize_hidden", None)
+        if finalize_hidden is not None:
+            hidden = finalize_hidden(self.model, hidden)
+        cache.lengths[:batch] += 1  # in place: a replayed graph advances the same tensor
+        logits = self.lm_head(hidden[:, -1])  # [B, V]
+        return self.policy.finalize_logits(self.model, logits).float()
+
+
+class DecodeGraphs:
+    """Decode-step CUDA graphs of one model: captured lazily, re-captured when the cache buffers move."""
+
+    def __init__(self, step: DecodeStep, cuda_graph_batch_sizes: list[int] | None, max_batch_size: int):
+        self.step = step
+        self.buckets = batch_buckets(cuda_graph_batch_sizes, max_batch_size)
+        self.runner: GraphRunner | None = None
+        self._signature: tuple | None = None
+
+    def _buffers_signature(self) -> tuple:
+        cache, rotary = self.step.cache, self.step.runtime.rotary
+        ptrs = [t.data_ptr() for t in (*cache.keys, *cache.values, cache.lengths)]
+        if rotary is not None:
+            ptrs += [rotary.cos.data_ptr(), rotary.sin.data_ptr()]
+        return tuple(ptrs)
+
+    def prepare(self, batch: int, device: torch.device, dtype: torch.dtype) -> GraphRunner:
+        """Make sure graphs exist for the cache as it is allocated for ``batch`` rows; call before the prefill.
+
+        Capturing runs the step on pad inputs, so it happens here, while no sequence is in the cache; the cache is
+        reset afterwards.
+        """
+        cache = self.step.cache
+        rotary = self.step.runtime.rotary
+        if rotary is not None and rotary.cos.device != device:
+            rotary.to(device)  # before capture: graphs read the table where it lives
+        cache.start(max(batch, self.buckets[-1]), device, dtype)  # allocates (or grows) the buffers
+        signature = self._buffers_signature()
+        if self.runner is None or self.runner.device != device:
+            inputs = {"input_ids": StaticInput((1,), torch.long, 0), "positions": StaticInput((1,), torch.long, 0)}
+            self.runner = GraphRunner(
+                self.step, inputs, self.buckets, device, use_graphs=True, reset_state=cache.lengths.zero_
+            )
+        elif signature != self._signature:
+            logger.info("hf_dsinfer: the static KV cache was re-allocated; capturing the decode graphs again")
+            self.runner.reset()
+        if not self.runner.captured:
+            self.runner.reset_state = cache.lengths.zero_
+            self.runner.capture()
+            self._signature = signature
+        cache.reset()
+        return self.runner

@@ -1,0 +1,211 @@
+"""The fast decoding loop: runs inside transformers' ``generate`` as its ``custom_generate`` callable.
+
+transformers does all the preparation (generation config, special tokens, attention mask, position ids,
+``num_return_sequences`` expansion, processors, criteria, the streamer's prompt) and hands over to
+:func:`decoding_loop`, which prefills through the injected model's forward and then runs
+:class:`~hf_dsinfer.generation.decode.DecodeStep` (eagerly, or replayed as CUDA graphs) with the processors of a
+:class:`~hf_dsinfer.generation.processors.DecodePlan`. Requests the plan cannot express run transformers' own
+``_sample`` on the same model instead (one warning per reason).
+
+Stop checks need the host; with no streamer or host-side criteria they run every few steps on CUDA, and steps taken
+past the true end are undone (tokens trimmed, cache lengths rolled back), so the output equals transformers'.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from .processors import DecodePlan, StepProcessor, plan_decoding
+from .stats import StepTimer, forward_marks
+
+logger = logging.getLogger("hf_dsinfer")
+
+# model kwargs transformers prepares for a decoder-only model that the fast loop understands
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+                       "cache_position", "return_dict"}  # fmt: skip
+_SYNC_EVERY_CUDA = 8  # decode steps between stop checks when nothing else needs the host
+
+
+@dataclass
+class CallContext:
+    """One ``generate`` call's state shared by the override and the loop (transformers does not pass it on)."""
+
+    state: Any  # GenerationState (api.py)
+    timer: StepTimer
+    streamer: Any = None
+    path: str = "fast"
+    new_tokens: int = 0
+    batch: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+CURRENT_CALL: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("hf_dsinfer_call", default=None)
+_WARNED: set[str] = set()
+
+
+def warn_fallback(reason: str) -> None:
+    """One warning per reason: this kind of request runs on transformers' loop."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("hf_dsinfer generate: %s is not covered by the fast loop; using transformers' loop.", reason)
+
+
+def check_capacity(prompt_len: int, max_new: int, max_out_tokens: int) -> None:
+    """Raise ``ValueError`` naming both numbers and the config key when the request cannot fit the KV cache."""
+    if prompt_len + max_new > max_out_tokens:
+        raise ValueError(
+            f"This request needs {prompt_len + max_new} KV-cache slots (prompt length {prompt_len} + max_new_tokens "
+            f"{max_new}) but max_out_tokens={max_out_tokens}. Raise max_out_tokens in the inference config "
+            "(InferenceConfig.max_out_tokens, which counts prompt plus generated tokens) or shorten the request."
+        )
+
+
+def _unsupported(generation_config, model_kwargs: dict[str, Any]) -> str | None:
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            return flag
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+    if extra:
+        return f"model inputs {extra}"
+    past = model_kwargs.get("past_key_values")
+    if past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0:
+        return "a filled past_key_values"
+    return None
+
+
+def decoding_loop(
+    self,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs: Any,
+):
+    """``generate``'s decoding for greedy search and sampling on an injected model (``custom_generate``)."""
+    call = CURRENT_CALL.get()
+    if call is None:
+        raise RuntimeError("decoding_loop runs only inside hf_dsinfer's generate")
+    streamer = streamer if streamer is not None else call.streamer
+    reason = _unsupported(generation_config, model_kwargs)
+    plan: DecodePlan | str = reason or plan_decoding(logits_processor, stopping_criteria, generation_config.do_sample)
+    if isinstance(plan, str):
+        warn_fallback(plan)
+        call.path = "hf"
+        with forward_marks(self, call.timer):
+            out = GenerationMixin._sample(
+                self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+            )  # fmt: skip
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        call.batch, call.new_tokens = seqs.shape[0], seqs.shape[1] - input_ids.shape[1]
+        return out
+    return _fast(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
+
+
+def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_config, streamer, model_kwargs):
+    state = call.state
+    cache = state.runtime.cache
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
+    n_new = max(plan.max_length - prompt_len, 1)  # transformers always generates at least one token
+    check_capacity(prompt_len, n_new, cache.max_tokens)
+    return_dict = generation_config.return_dict_in_generate
+    keep_scores = return_dict and generation_config.output_scores
+    keep_logits = return_dict and generation_config.output_logits
+    mask = model_kwargs.get("attention_mask")
+    positions = model_kwargs.get("position_ids")
+
+    generator = None
+    if plan.do_sample:
+        # Seeded from torch's global RNG, so torch.manual_seed(...) before generate reproduces the draws.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    decode = state.step
+    if state.graphs is not None and device.type == "cuda":
+        dtype = self.get_input_embeddings().weight.dtype
+        decode = state.graphs.prepare(batch, device, dtype)
+        call.path = "fast+graphs"
+
+    # -- prefill (the injected forward starts a fresh sequence in the static cache) --
+    out = self(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=None,
+               use_cache=True, logits_to_keep=1, return_dict=True)  # fmt: skip
+    logits = out.logits[:, -1].float()  # [B, V]
+    handle = out.past_key_values
+    del out
+    proc = StepProcessor(plan, input_ids, logits.shape[-1], generator)
+
+    seq = torch.empty(batch, prompt_len + n_new, dtype=torch.long, device=device)  # [B, P + N]
+    seq[:, :prompt_len] = input_ids
+    if positions is not None:
+        next_pos = (positions[:, -1:].to(device=device, dtype=torch.long) + 1).expand(batch, 1).contiguous()
+    else:
+        next_pos = torch.full((batch, 1), prompt_len, dtype=torch.long, device=device)  # [B, 1]
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    alive = torch.ones(n_new, dtype=torch.bool, device=device)  # alive[i]: a row is unfinished after token i
+    eos = plan.eos.to(device) if plan.eos is not None else None
+    pad = generation_config._pad_token_tensor
+    if eos is not None and pad is None:
+        raise ValueError("generation needs pad_token_id when eos_token_id is set (finished rows are padded)")
+    scores_out: list[torch.Tensor] = []
+    logits_out: list[torch.Tensor] = []
+    needs_host = streamer is not None or bool(plan.host_criteria)
+    sync_every = 1 if needs_host or device.type != "cuda" else _SYNC_EVERY_CUDA
+
+    steps = 0
+    for i in range(n_new):
+        if i > 0:
+            logits = decode(input_ids=tok[:, None], positions=next_pos)  # noqa: F821 - tok is set in step 0
+            cache.padded_len += 1  # the host-side width; the step advanced the device lengths itself
+            next_pos += 1
+        if keep_logits:
+            logits_out.append(logits.clone())
+        scores = proc.warp(proc.process(logits, i))  # [B, V] what transformers' processors return
+        tok = proc.select(scores)  # [B]
+        if keep_scores:
+            scores_out.append(scores.clone())
+        if eos is not None:
+            tok = torch.where(unfinished, tok, pad.to(device))  # finished rows get padding, as in transformers
+        seq[:, prompt_len + i] = tok
+        proc.observe(tok)
+        if eos is not None:
+            unfinished &= ~torch.isin(tok, eos)
+        for crit in plan.host_criteria:
+            unfinished &= ~crit(seq[:, : prompt_len + i + 1], tuple(scores_out) if keep_scores else None).to(device)
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        alive[i] = unfinished.any()
+        steps = i + 1
+        call.timer.mark()
+        if steps < n_new and steps % sync_every == 0 and not bool(alive[i]):
+            break
+
+    # Length as transformers would stop: after the first token at which every row was finished.
+    dead = (~alive[:steps]).nonzero()
+    length = int(dead[0, 0]) + 1 if dead.numel() else steps
+    if length < steps:  # undo the steps taken past the end (deferred stop checks)
+        extra = steps - length
+        cache.lengths[:batch] -= extra
+        cache.padded_len -= extra
+    if streamer is not None:
+        streamer.end()
+    call.batch, call.new_tokens = batch, length
+    sequences = seq[:, : prompt_len + length]
+    if not return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores_out[:length]) if keep_scores else None,
+        logits=tuple(logits_out[:length]) if keep_logits else None,
+        attentions=None,
+        hidden_states=None,
+        past_key_values=handle,
+    )

@@ -1,0 +1,170 @@
+"""Reading transformers' logits processors and stopping criteria into a plan the fast loop runs on the device.
+
+``generate`` builds a ``LogitsProcessorList`` and a ``StoppingCriteriaList`` from the generation config. The fast
+loop accepts only the ones it reproduces exactly (same order, same ops as transformers):
+
+* processors: repetition penalty, min length / min new tokens (EOS masked), then the sampling warpers
+  temperature, top-k, top-p, min-p (``hf_dsinfer.kernels.filter_logits`` applies them in HF's order);
+* criteria: max length, EOS (one id or several), stop strings and max time (called as transformers' own objects).
+
+Anything else (a user's processor, no-repeat-ngram, bad words, typical-p, ...) makes :func:`plan_decoding` return
+the reason, and the request runs through transformers' loop instead: nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import logits_process as lp
+from transformers.generation import stopping_criteria as sc
+
+from hf_dsinfer.kernels import filter_logits, sample
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class DecodePlan:
+    """What the fast loop does to each step's logits and when it stops."""
+
+    do_sample: bool
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    penalty_ignore: int | torch.Tensor | None = None  # prompt tokens the penalty skips (int: a prefix; [B]: per row)
+    # (length, ids): these ids are masked while the sequence (prompt included) is shorter than length; from
+    # MinLengthLogitsProcessor and MinNewTokensLengthLogitsProcessor (prompt length + min_new_tokens)
+    eos_floors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    max_length: int | None = None
+    eos: torch.Tensor | None = None  # ids that finish a row (EosTokenCriteria)
+    host_criteria: list = field(default_factory=list)  # criteria called as is each step (stop strings, max time)
+
+    @property
+    def warps(self) -> bool:
+        return self.do_sample and (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0)
+
+
+def _eos_tensor(value) -> torch.Tensor:
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value if isinstance(value, list) else [value])
+    return t.reshape(-1).long()
+
+
+def plan_decoding(processors, criteria, do_sample: bool) -> DecodePlan | str:
+    """A :class:`DecodePlan` for ``generate``'s prepared processors and criteria, or why the fast loop cannot run."""
+    plan = DecodePlan(do_sample=bool(do_sample))
+    warper_rank = 0  # temperature, top-k, top-p, min-p must come in this order (HF's), after the other processors
+    for p in processors:
+        kind = type(p)
+        if kind is lp.RepetitionPenaltyLogitsProcessor and warper_rank == 0 and plan.repetition_penalty is None:
+            if getattr(p, "logits_indices", None) is not None:
+                return "repetition penalty in packed (continuous batching) form"
+            plan.repetition_penalty = float(p.penalty)
+            plan.penalty_ignore = getattr(p, "prompt_ignore_length", None)
+        elif kind is lp.MinLengthLogitsProcessor and warper_rank == 0:
+            plan.eos_floors.append((int(p.min_length), _eos_tensor(p.eos_token_id).cpu()))
+        elif kind is lp.MinNewTokensLengthLogitsProcessor and warper_rank == 0:
+            floor = int(p.prompt_length_to_skip) + int(p.min_new_tokens)
+            plan.eos_floors.append((floor, _eos_tensor(p.eos_token_id).cpu()))
+        elif kind in _WARPERS and plan.do_sample:
+            rank = _WARPERS[kind]
+            if rank <= warper_rank:
+                return f"{kind.__name__} out of transformers' order"
+            if getattr(p, "min_tokens_to_keep", 1) != 1 or getattr(p, "filter_value", _NEG_INF) != _NEG_INF:
+                return f"{kind.__name__} with min_tokens_to_keep or filter_value changed"
+            warper_rank = rank
+            if kind is lp.TemperatureLogitsWarper:
+                plan.temperature = float(p.temperature)
+            elif kind is lp.TopKLogitsWarper:
+                plan.top_k = int(p.top_k)
+            elif kind is lp.TopPLogitsWarper:
+                plan.top_p = float(p.top_p)
+            else:
+                plan.min_p = float(p.min_p)
+        else:
+            return f"logits processor {kind.__name__}"
+    for c in criteria:
+        kind = type(c)
+        if kind is sc.MaxLengthCriteria:
+            plan.max_length = int(c.max_length) if plan.max_length is None else min(plan.max_length, int(c.max_length))
+        elif kind is sc.EosTokenCriteria:
+            eos = _eos_tensor(c.eos_token_id).cpu()
+            plan.eos = eos if plan.eos is None else torch.unique(torch.cat([plan.eos, eos]))
+        elif kind in (sc.StopStringCriteria, sc.MaxTimeCriteria):
+            plan.host_criteria.append(c)
+        else:
+            return f"stopping criterion {kind.__name__}"
+    if plan.max_length is None:
+        return "no max_length (the fast loop needs a bound on new tokens)"
+    return plan
+
+
+_WARPERS = {
+    lp.TemperatureLogitsWarper: 1,
+    lp.TopKLogitsWarper: 2,
+    lp.TopPLogitsWarper: 3,
+    lp.MinPLogitsWarper: 4,
+}
+
+
+class StepProcessor:
+    """Applies a :class:`DecodePlan` to each step's logits ``[B, V]`` with device ops only (no host syncs).
+
+    Keeps a ``[B, V + 1]`` mask of the tokens each row has seen for the repetition penalty (ids past the logits'
+    vocab fall in the extra column and are dropped, as transformers does).
+    """
+
+    def __init__(self, plan: DecodePlan, input_ids: torch.Tensor, vocab: int, generator: torch.Generator | None):
+        self.plan = plan
+        self.vocab = vocab
+        self.generator = generator
+        self.prompt_len = input_ids.shape[1]
+        dev = input_ids.device
+        self.seen: torch.Tensor | None = None
+        if plan.repetition_penalty is not None:
+            ids = input_ids.clamp(max=vocab)  # [B, P]
+            ignore = plan.penalty_ignore
+            if isinstance(ignore, int):
+                ids = ids[:, ignore:]
+            elif isinstance(ignore, torch.Tensor):
+                cols = torch.arange(ids.shape[1], device=dev)
+                ids = ids.masked_fill(cols[None, :] < ignore.to(dev)[:, None], vocab)
+            self.seen = torch.zeros(input_ids.shape[0], vocab + 1, dtype=torch.bool, device=dev)
+            self.seen.scatter_(1, ids, True)
+        vocab_ids = torch.arange(vocab, device=dev)
+        # (length, [V] bool mask of the ids masked while the sequence is shorter than length)
+        self.floors = [(n, torch.isin(vocab_ids, ids.to(dev))) for n, ids in plan.eos_floors]
+
+    def process(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """The non-warping processors, in transformers' order; ``step`` = tokens generated so far. fp32 ``[B, V]``."""
+        scores = logits.float()
+        if self.seen is not None:
+            p = self.plan.repetition_penalty
+            penalized = torch.where(scores < 0, scores * p, scores / p)
+            scores = torch.where(self.seen[:, : self.vocab], penalized, scores)
+        length = self.prompt_len + step  # the sequence length transformers' processors see (host int: no sync)
+        for floor, mask in self.floors:
+            if length < floor:
+                scores = scores.masked_fill(mask, _NEG_INF)
+        return scores
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sampling warpers (what transformers' ``scores`` hold when sampling)."""
+        p = self.plan
+        if not p.warps:
+            return scores
+        return filter_logits(scores, p.temperature, p.top_k, p.top_p, p.min_p)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Next token per row ``[B]``: argmax of ``scores``, or a draw from them (already warped) when sampling."""
+        if not self.plan.do_sample:
+            return scores.argmax(dim=-1)
+        # The warpers already ran: draw with neutral knobs (the kernel's draw needs no host sync).
+        return sample(scores, 1.0, 0, 1.0, 0.0, self.generator)
+
+    def observe(self, tokens: torch.Tensor) -> None:
+        """Record the tokens just appended (``[B]``) for the repetition penalty."""
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens.clamp(max=self.vocab)[:, None], True)

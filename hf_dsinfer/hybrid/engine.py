@@ -1,0 +1,375 @@
+"""``HybridEngine``: generate fast with the weights of a model that is being trained, and go back to training.
+
+The engine owns an *inference copy* of the training model's architecture: built once, on the meta device and then
+materialized in the inference dtype, with fused layers injected (``hf_dsinfer.policies.inject``). Its parameters
+are persistent buffers. ``eval()`` copies the training model's effective weights into them **in place** (gathering
+shards, fusing LoRA, re-packing into the fused qkv / gate_up layout through ``Policy.pack_into``), so their
+addresses never change and captured CUDA graphs stay valid. ``generate()`` runs the inference copy's ``generate``.
+``train()`` only puts the training model back in training mode: the training model, its weights and the optimizer
+state are never touched. See docs/hybrid.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..policies import get_injection, inject
+from .stats import HybridStats
+from .weights import TrainingWeights
+
+logger = logging.getLogger("hf_dsinfer")
+
+_OPTIMIZER_STEPS = [0]  # process-wide count of optimizer steps (a global post-step hook bumps it)
+_HOOK: list[Any] = []
+
+
+def _count_optimizer_steps() -> None:
+    """Register (once) a global optimizer post-step hook: refresh="auto" refreshes after any step."""
+    if not _HOOK:
+
+        def bump(*_: Any) -> None:
+            _OPTIMIZER_STEPS[0] += 1
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(bump))
+
+
+def _first_param(model: nn.Module) -> torch.Tensor | None:
+    return next(model.parameters(), None)
+
+
+def _local_device(t: torch.Tensor) -> torch.device:
+    to_local = getattr(t, "to_local", None)  # DTensor: the device of this rank's shard
+    return to_local().device if callable(to_local) else t.device
+
+
+def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], training_dtype: torch.dtype) -> Any:
+    """An ``InferenceConfig`` for the engine. Given as None, a dict or a JSON path, ``dtype`` defaults to the training
+    weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given."""
+    # Config parsing only; imported here because integration/ sits above hybrid/ in the layer order.
+    from ..integration.config import InferenceConfig
+
+    if isinstance(inference_config, InferenceConfig):
+        return InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
+    if isinstance(inference_config, (str, os.PathLike)):
+        with open(inference_config) as f:
+            inference_config = json.load(f)
+    raw = dict(inference_config or {})
+    keys = set(raw) | set(kwargs)
+    extra = dict(kwargs)
+    if "dtype" not in keys:
+        extra["dtype"] = training_dtype
+    if not keys & {"replace_with_kernel_inject", "kernel_inject"}:
+        extra["replace_with_kernel_inject"] = True
+    return InferenceConfig.from_any(raw, **extra)
+
+
+class HybridEngine:
+    """Switch a training model (HF ``PreTrainedModel`` or peft ``PeftModel`` with LoRA) into fast generation and back.
+
+    Args:
+        model: the model being trained. It may be wrapped (DDP, DeepSpeed), sharded (FSDP2, ZeRO-3) and carry LoRA
+            adapters; it is only ever read.
+        inference_config: ``InferenceConfig``, dict, JSON path or None (defaults: training dtype, kernel injection
+            on). ``config_kwargs`` are merged in as config fields.
+        release_inference_cache: free the static KV cache (and any CUDA graphs that read it) whenever the engine
+            leaves inference mode; the next generation allocates and re-captures them. Saves memory for training at
+            the cost of that re-capture.
+        refresh: ``"always"`` (default) copies the weights at every ``eval()``; ``"auto"`` skips the copy when no
+            tracked change happened (an optimizer step, an in-place update of a parameter, a change of active LoRA
+            adapters). Writes through ``.data`` are not tracked: call :meth:`mark_dirty` after them.
+        device: where the inference copy lives (default: the training weights' device).
+
+    ``he.eval(); he.generate(...); he.train()``, or ``with he.inference(): he.generate(...)``. ``he.stats`` holds
+    per-iteration timings (:class:`~hf_dsinfer.hybrid.stats.HybridStats`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inference_config: Any = None,
+        release_inference_cache: bool = False,
+        refresh: str = "always",
+        device: torch.device | str | None = None,
+        **config_kwargs: Any,
+    ):
+        if refresh not in ("always", "auto"):
+            raise ValueError(f"refresh={refresh!r}: use 'always' or 'auto'")
+        self.training_model = model
+        self.weights = TrainingWeights(model)
+        first = _first_param(self.weights.hf_model)
+        if first is None:
+            raise ValueError("the training model has no parameters")
+        self.config = resolve_inference_config(inference_config, config_kwargs, first.dtype)
+        if self.config.tp_size > 1:
+            raise ValueError(
+                "HybridEngine does not support tensor_parallel.tp_size > 1 yet (each rank keeps a full inference "
+                "copy); use tp_size=1."
+            )
+        if self.config.checkpoint is not None:
+            raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
+        self.device = torch.device(device) if device is not None else _local_device(first)
+        self.release_inference_cache = release_inference_cache
+        self.refresh_policy = refresh
+        self.stats = HybridStats()
+        self._in_inference = False
+        self._mode_before: bool | None = None
+        self._t_eval: float | None = None
+        self._t_train: float | None = None
+        self._fingerprint: Any = None
+        self._dirty = True
+        if refresh == "auto":
+            _count_optimizer_steps()
+        self.module = self._build()
+
+    # -- building the inference copy --------------------------------------------------------------------------------
+
+    def _build(self) -> nn.Module:
+        """The inference copy: same class and config, inference dtype, fused layers, filled from the training model."""
+        hf = self.weights.hf_model
+        quantizer = getattr(hf, "hf_quantizer", None)
+        if quantizer is not None or getattr(hf, "is_quantized", False):
+            method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "?")
+            raise ValueError(
+                f"the training model is quantized ({method}); the Hybrid Engine needs plain base weights to copy "
+                "(QLoRA is not supported). Train on a bf16/fp16/fp32 base model."
+            )
+        config = copy.deepcopy(hf.config)
+        config.use_cache = True  # training often turns it off (gradient checkpointing); generation needs it
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        dtype = self.config.torch_dtype
+        with torch.device("meta"):  # structure only: no memory, no random init
+            infer = type(hf)._from_config(config, dtype=dtype)
+        aliases: dict[int, list[str]] = {}
+        for name, p in infer.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        infer.to_empty(device=self.device)
+        self._retie(infer, [names for names in aliases.values() if len(names) > 1])
+        with torch.no_grad():
+            # Buffers (rotary frequencies) come from the training model: injection builds its tables from them.
+            for name, buf in infer.named_buffers():
+                src = self.weights.buffer(name)
+                if src is None:
+                    raise RuntimeError(f"the training model has no buffer {name!r} to copy into the inference copy")
+                buf.copy_(self.weights.full(src.detach()))
+        infer.eval().requires_grad_(False)
+        from ..integration.apply import CONFIG_ATTR  # the attribute the generation layer reads the config from
+
+        setattr(infer, CONFIG_ATTR, self.config)
+        if self.config.replace_with_kernel_inject:
+            infer = inject(infer, self.config)  # no policy: one warning, the copy keeps HF's modules (still correct)
+        self._plan(infer)
+        self._refresh(infer)
+        self._fingerprint = self._current_fingerprint()
+        self._dirty = False
+        return infer
+
+    @staticmethod
+    def _retie(model: nn.Module, groups: list[list[str]]) -> None:
+        """``to_empty`` gives each module its own tensor: point tied names back at one parameter."""
+        for names in groups:
+            keep = model.get_parameter(names[0])
+            for name in names[1:]:
+                path, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(path), leaf, keep)
+
+    def _plan(self, infer: nn.Module) -> None:
+        """Which inference parameters come from fused weight maps and which are copied by name; every one must be
+        covered, or a refresh would leave stale values behind."""
+        record = get_injection(infer)
+        fused: set[str] = set()
+        if record is not None:
+            for i, wmap in enumerate(record.weight_maps):
+                layer = record.runtime.layers[i]
+                names = {n for n, _ in layer.named_parameters()}
+                missing = names - set(wmap)
+                if missing:
+                    raise RuntimeError(
+                        f"{type(record.policy).__name__}: fused layer {i} has parameters {sorted(missing)} that its "
+                        "weight map does not fill; the Hybrid Engine cannot refresh them."
+                    )
+                fused.update(f"{record.layers_prefix}.{i}.{n}" for n in names)
+        self._plain = [(n, p) for n, p in infer.named_parameters() if n not in fused]
+
+    # -- the weight refresh -----------------------------------------------------------------------------------------
+
+    def _refresh(self, infer: nn.Module) -> None:
+        """Copy (gather, LoRA-fuse, re-pack) every training weight into the inference buffers, in place."""
+        w = self.weights
+        record = get_injection(infer)
+        with torch.no_grad():
+            if record is not None:
+                train_layers = w.module(record.layers_prefix)
+                for i, wmap in enumerate(record.weight_maps):
+                    prefix = f"{record.layers_prefix}.{i}."
+                    with w.gathered(train_layers[i]):
+                        record.policy.pack_into(
+                            infer, i, record.runtime.layers[i], lambda n, p=prefix: w.get(p + n), wmap
+                        )
+            for name, param in self._plain:
+                with w.gathered(w.module(name.rpartition(".")[0])):
+                    value = w.get(name)
+                    if value.shape != param.shape:
+                        raise ValueError(f"{name}: training shape {tuple(value.shape)} != {tuple(param.shape)}")
+                    param.data.copy_(value)
+
+    def _current_fingerprint(self) -> Any:
+        if self.refresh_policy != "auto":
+            return None
+        return _OPTIMIZER_STEPS[0], self.weights.fingerprint()
+
+    def mark_dirty(self) -> None:
+        """Force a refresh at the next ``eval()`` (after writing weights through ``.data``, with refresh="auto")."""
+        self._dirty = True
+
+    def refresh(self) -> None:
+        """Copy the training weights into the inference buffers now (``eval()`` does this for you)."""
+        self._refresh(self.module)
+        self._fingerprint = self._current_fingerprint()
+        self._dirty = False
+
+    # -- switching --------------------------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        """Host time after the device finished its queued work (so phases are measured, not just launched)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @property
+    def in_inference(self) -> bool:
+        """True between ``eval()`` and ``train()``."""
+        return self._in_inference
+
+    def eval(self) -> HybridEngine:
+        """Enter inference mode: refresh the inference buffers from the training weights, training model to eval."""
+        if self._in_inference:
+            return self
+        now = self._now()
+        last = self.stats.last
+        if last is not None and not last.complete and self._t_eval is not None:
+            train_ms = (now - self._t_train) * 1e3 if self._t_train is not None else 0.0
+            self.stats.finish(last, (now - self._t_eval) * 1e3, train_ms)
+        it = self.stats.start()
+        self._t_eval, self._t_train = now, None
+        self._mode_before = self.training_model.training
+        self.training_model.eval()
+        fingerprint = self._current_fingerprint()
+        if self.refresh_policy == "always" or self._dirty or fingerprint != self._fingerprint:
+            self.weights.gather_s = 0.0
+            t0 = self._now()
+            self.refresh()
+            it.refresh_ms = (self._now() - t0) * 1e3
+            it.gather_ms = self.weights.gather_s * 1e3
+            it.refreshed = True
+        self._in_inference = True
+        return self
+
+    def _leave(self, mode: bool) -> HybridEngine:
+        if not self._in_inference:
+            self.training_model.train(mode)
+            return self
+        if self.release_inference_cache:
+            self.release_cache()
+        self.training_model.train(mode)
+        self._in_inference = False
+        self._t_train = self._now()
+        return self
+
+    def train(self, mode: bool = True) -> HybridEngine:
+        """Leave inference mode and put the training model in training mode (``train(False)`` is ``eval()``)."""
+        if not mode:
+            return self.eval()
+        return self._leave(True)
+
+    def restore(self) -> HybridEngine:
+        """Leave inference mode, putting the training model back in the mode it had at ``eval()``."""
+        mode = self._mode_before if self._mode_before is not None else self.training_model.training
+        return self._leave(mode)
+
+    @contextmanager
+    def inference(self) -> Iterator[HybridEngine]:
+        """``with he.inference(): ...``: ``eval()`` on entry (unless already in it), ``restore()`` on exit."""
+        entered = not self._in_inference
+        self.eval()
+        try:
+            yield self
+        finally:
+            if entered:
+                self.restore()
+
+    def release_cache(self) -> None:
+        """Free the inference copy's static KV cache and drop CUDA graphs that read it (re-captured on next use)."""
+        record = get_injection(self.module)
+        if record is not None:
+            record.runtime.cache.release()
+        for m in (self.module, getattr(self.module, "base_model", None)):
+            for value in list(vars(m).values()) if m is not None else []:
+                if hasattr(value, "reset") and type(value).__name__ == "GraphRunner":
+                    value.reset()
+
+    # -- generation -------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """HF ``generate`` arguments in, HF ``generate`` output out, run by the inference copy.
+
+        Outside inference mode this switches in for the call and back afterwards (a refresh each time: call
+        ``eval()`` first to generate several times from one refresh).
+        """
+        if not self._in_inference:
+            with self.inference():
+                return self.generate(*args, **kwargs)
+        hf = self.weights.hf_model
+        self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
+        t0 = self._now()
+        out = self.module.generate(*args, **kwargs)  # the injected model's generate: our fast loop when installed
+        elapsed = self._now() - t0
+        seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        it = self.stats.last
+        if it is not None:
+            it.generate_ms += elapsed * 1e3
+            it.generate_calls += 1
+            if isinstance(seqs, torch.Tensor) and seqs.ndim == 2:
+                prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+                width = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 0
+                it.samples += seqs.shape[0]
+                it.new_tokens += seqs.shape[0] * max(0, seqs.shape[1] - width)
+        return out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    @property
+    def last_generate_stats(self) -> Any:
+        """The generation layer's stats of the last ``generate`` call (time to first token, ms/token), if recorded."""
+        try:
+            from ..generation.stats import last_generate_stats
+        except ImportError:  # pragma: no cover
+            return None
+        return last_generate_stats(self.module)
+
+    def buffer_pointers(self) -> dict[str, int]:
+        """``{name: data_ptr}`` of the inference buffers (constant for the engine's lifetime)."""
+        return {n: p.data_ptr() for n, p in self.module.named_parameters()}
+
+    def __repr__(self) -> str:
+        mode = "inference" if self._in_inference else "training"
+        return (
+            f"HybridEngine({type(self.module).__name__}, dtype={self.config.dtype}, "
+            f"injected={get_injection(self.module) is not None}, mode={mode}, {self.stats!r})"
+        )

@@ -1,0 +1,368 @@
+"""AutoTP: a tensor-parallel plan for any transformers model, from its structure (no per-model policy).
+
+For every decoder block (an element of an ``nn.ModuleList``) the output projections are found by a dataflow trace
+(:mod:`.trace`) or taken from DeepSpeed's ``injection_policy``
+(``{LayerClass: ("self_attn.o_proj", "mlp.down_proj")}``), and each becomes the row-parallel end of a *group*: the
+column-parallel linears that feed it.
+
+* Attention groups split by KV-head groups (:class:`~.shard.HeadPartition`); fused qkv weights split per part.
+* MLP groups split the intermediate dim by the grain rule; fused ``[gate | up]`` splits each half.
+* The word embedding and the LM head split along the vocab (tied weights get the same slice, so they stay tied).
+* Everything else (norms, position embeddings, projections outside blocks) is replicated.
+
+The plan is pure data (:class:`TPPlan`): parameter name -> :class:`~.shard.Shard`, plus module edits. It is built on
+a real or a meta model alike, so the sharded loader can shrink shapes before any weight is read.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .shard import HeadPartition, Shard, concat_layout, even_shard, grouped_layout, halves_shard, select, split_sizes
+from .trace import ATTN, Trace, is_linear, is_norm, linear_dims, norm_width, trace_model
+
+# Module attributes HF attention code reads for head counts / widths, rewritten to the local values.
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_GROUP_ATTRS = ("num_key_value_groups", "num_kv_groups")
+_WIDTH_ATTRS = ("all_head_size", "split_size", "q_size")
+_CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+@dataclass
+class TPPlan:
+    """How one rank shards a model: ``shards`` (parameter name -> slice kept; absent = replicated) and module edits."""
+
+    tp_size: int
+    rank: int
+    shards: dict[str, Shard] = field(default_factory=dict)
+    row_parallel: list[str] = field(default_factory=list)  # modules wrapped by RowParallelLinear
+    column_parallel: list[str] = field(default_factory=list)
+    embedding: tuple[str, int, int] | None = None  # (module, vocab start, vocab stop)
+    head: tuple[str, list[int]] | None = None  # (module, every rank's vocab rows)
+    attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> {attribute: local value}
+    config_overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> local config values
+
+
+def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module for every element of an ``nn.ModuleList`` that holds linears (the decoder/encoder layers)."""
+    blocks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for i, child in enumerate(module):
+                if any(is_linear(m) for m in child.modules()):
+                    blocks[f"{name}.{i}" if name else str(i)] = child
+    # Nested lists (a list inside a block): keep the outermost.
+    return {n: b for n, b in blocks.items() if not any(n.startswith(o + ".") for o in blocks if o != n)}
+
+
+def _policy_rows(block: nn.Module, injection_policy: dict[str, list[str]] | None) -> list[str] | None:
+    if not injection_policy:
+        return None
+    cls = type(block)
+    for key in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__, cls.__name__):
+        if key in injection_policy:
+            return injection_policy[key]
+    return None
+
+
+def _head_counts(config: Any) -> tuple[int, int, int]:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is None and getattr(config, "new_decoder_architecture", False):
+        kv = config.num_kv_heads
+    if kv is None:
+        kv = 1 if getattr(config, "multi_query", False) else heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv, head_dim
+
+
+def _fused_qkv_layout(model_type: str, config: Any, name: str, heads: int, kv: int, d: int) -> list:
+    """Segments of a fused qkv output dim, by architecture (its layout is not visible in the shapes)."""
+    split = concat_layout([("q", heads, d), ("k", kv, d), ("v", kv, d)])
+    if model_type in ("phi3", "gpt2", "gpt_bigcode"):
+        return split
+    if model_type == "gpt_neox":
+        return grouped_layout(heads, [("q", 1, d), ("k", 1, d), ("v", 1, d)])
+    if model_type == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            return grouped_layout(kv, [("q", heads // kv, d), ("k", 1, d), ("v", 1, d)])
+        if getattr(config, "multi_query", False):
+            return split
+        return grouped_layout(heads, [("q", 1, d), ("k", 1, d), ("v", 1, d)])
+    raise ValueError(
+        f"AutoTP does not know the row layout of the fused qkv projection {name} ({model_type}); supported: phi3, "
+        "gpt2, gpt_bigcode, gpt_neox, falcon. Use a model with separate q/k/v projections or a kernel-injection policy."
+    )
+
+
+def _groups_by_name(block_name: str, block: nn.Module, rows: list[str]) -> dict[str, tuple[frozenset, bool]]:
+    """Without a trace: each output projection is fed by the other linears of its parent module."""
+    linears = {n: m for n, m in block.named_modules() if is_linear(m)}
+    out = {}
+    for r in rows:
+        parent = r.rpartition(".")[0]
+        feeders = frozenset(
+            f"{block_name}.{n}" for n in linears if n not in rows and n.rpartition(".")[0] == parent
+        )
+        attention = any(s in parent.lower() for s in ("attn", "attention"))
+        out[f"{block_name}.{r}"] = (feeders, attention)
+    return out
+
+
+def _block_groups(
+    block_name: str, block: nn.Module, trace: Trace | None, rows: list[str] | None
+) -> dict[str, tuple[frozenset[str], bool]]:
+    """row-parallel linear -> (the column-parallel linears feeding it, whether attention sits between)."""
+    linears = {f"{block_name}.{n}" for n, m in block.named_modules() if is_linear(m)}
+    if rows is not None:
+        for r in rows:
+            try:
+                m = block.get_submodule(r)
+            except AttributeError:
+                m = None
+            if m is None or not is_linear(m):
+                raise ValueError(
+                    f"injection_policy names {r!r}, which is not a linear layer of {type(block).__name__}."
+                )
+        if trace is None:
+            return _groups_by_name(block_name, block, rows)
+        row_set = {f"{block_name}.{r}" for r in rows}
+    else:
+        row_set = {n for n in linears if trace.linear_inputs.get(n, frozenset()) & linears}
+    groups = {}
+    for r in sorted(row_set):
+        taint = trace.linear_inputs.get(r, frozenset())
+        feeders = taint & linears
+        if feeders & row_set:
+            raise ValueError(
+                f"AutoTP: {r} reads the output of {sorted(feeders & row_set)[0]}, another output projection; this "
+                "block's pattern cannot be split. Pass injection_policy naming its output projections."
+            )
+        groups[r] = (frozenset(feeders), ATTN in taint)
+    fed = {c for feeders, _ in groups.values() for c in feeders}
+    called = set(trace.linear_inputs)
+    for c in sorted((linears & called) - row_set - fed):
+        raise ValueError(
+            f"AutoTP: the output of {c} never reaches an output projection (it is consumed elsewhere, e.g. a router); "
+            "it cannot be column-split. This architecture is not supported by AutoTP."
+        )
+    for norm, taint in trace.norm_inputs.items():
+        if not norm.startswith(block_name + "."):
+            continue
+        for c in sorted(taint & fed):
+            if norm_width(dict_get(block, norm, block_name)) == linear_dims(dict_get(block, c, block_name))[1]:
+                raise ValueError(
+                    f"AutoTP: {norm} normalizes the full output of {c}; a column-split output cannot be normalized "
+                    "per rank. This architecture is not supported by AutoTP."
+                )
+    return groups
+
+
+def dict_get(block: nn.Module, name: str, block_name: str) -> nn.Module:
+    """The submodule ``name`` (a model-level name under ``block_name``) of ``block``."""
+    return block.get_submodule(name[len(block_name) + 1:])
+
+
+def _out_dim(module: nn.Module) -> int:
+    return 1 if type(module).__name__ == "Conv1D" else 0
+
+
+def _set_linear(plan: TPPlan, name: str, module: nn.Module, shard_out: Shard | None, shard_in: Shard | None) -> None:
+    out_dim = _out_dim(module)
+    if shard_out is not None:
+        plan.shards[f"{name}.weight"] = Shard(out_dim, shard_out.ranges, shard_out.full)
+        if getattr(module, "bias", None) is not None:
+            plan.shards[f"{name}.bias"] = Shard(0, shard_out.ranges, shard_out.full)
+        plan.column_parallel.append(name)
+    if shard_in is not None:
+        plan.shards[f"{name}.weight"] = Shard(1 - out_dim, shard_in.ranges, shard_in.full)
+        plan.row_parallel.append(name)
+
+
+def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], part: HeadPartition, heads: int, kv: int,
+                     d: int) -> None:
+    """Rewrite head counts on every module from the group's common ancestor down to its linears."""
+    common = names[0].split(".")
+    for n in names[1:]:
+        parts = n.split(".")
+        i = 0
+        while i < min(len(common), len(parts)) and common[i] == parts[i]:
+            i += 1
+        common = common[:i]
+    base = ".".join(common)
+    paths = {base}
+    for n in names:
+        pieces = n.split(".")
+        for i in range(len(common), len(pieces)):
+            paths.add(".".join(pieces[:i]))
+    local = {"heads": part.num_heads, "kv": part.num_kv_heads}
+    for path in sorted(paths):
+        module = model.get_submodule(path)
+        edits = {}
+        for attr in _HEAD_ATTRS:
+            if getattr(module, attr, None) == heads:
+                edits[attr] = local["heads"]
+        for attr in _KV_ATTRS:
+            if getattr(module, attr, None) == kv:
+                edits[attr] = local["kv"]
+        for attr in _GROUP_ATTRS:
+            if isinstance(getattr(module, attr, None), int):
+                edits[attr] = local["heads"] // local["kv"]
+        for attr in _WIDTH_ATTRS:
+            if getattr(module, attr, None) == heads * d:
+                edits[attr] = local["heads"] * d
+        if edits:
+            plan.attrs[path] = edits
+        if getattr(module, "config", None) is not None and _forward_reads_config_heads(module):
+            plan.config_overrides[path] = {
+                "num_attention_heads": local["heads"], "num_key_value_heads": local["kv"], "num_kv_heads": local["kv"]
+            }
+
+
+def _forward_reads_config_heads(module: nn.Module) -> bool:
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True  # unknown: give it a local config to be safe
+    return any(f"config.{key}" in src for key in _CONFIG_KEYS)
+
+
+def build_plan(
+    model: nn.Module, tp_size: int, rank: int, grain: int = 1, injection_policy: dict[str, list[str]] | None = None
+) -> TPPlan:
+    """The :class:`TPPlan` of rank ``rank`` out of ``tp_size`` for ``model`` (real or on meta); raises ``ValueError``
+    naming the module or the numbers when the model cannot be split that way."""
+    plan = TPPlan(tp_size, rank)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "alibi", False):
+        raise ValueError(f"{model_type} with alibi positions is not supported by AutoTP (alibi slopes are per head).")
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(f"AutoTP found no layer stack (nn.ModuleList of layers) in {type(model).__name__}.")
+    rows_by_block = {n: _policy_rows(b, injection_policy) for n, b in blocks.items()}
+    if injection_policy and not any(r is not None for r in rows_by_block.values()):
+        raise ValueError(
+            f"injection_policy keys {sorted(injection_policy)} match no layer class of {type(model).__name__} "
+            f"(its layers are {sorted({type(b).__name__ for b in blocks.values()})})."
+        )
+    try:
+        trace = trace_model(model)
+    except ValueError:
+        if not injection_policy:
+            raise
+        trace = None  # the policy names the output projections; group by parent module instead
+    heads = kv = d = None
+    if config is not None and hasattr(config, "num_attention_heads"):
+        heads, kv, d = _head_counts(config)
+    for block_name, block in blocks.items():
+        for row, (feeders, attention) in _block_groups(block_name, block, trace, rows_by_block[block_name]).items():
+            row_mod = model.get_submodule(row)
+            row_in = linear_dims(row_mod)[0]
+            feeders = sorted(feeders)
+            if attention:
+                if heads is None:
+                    raise ValueError(f"AutoTP: {row} follows attention but the config has no num_attention_heads.")
+                _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp_size, rank)
+            else:
+                _plan_mlp(plan, model, row, row_in, feeders, tp_size, rank, grain)
+    _plan_vocab(plan, model, tp_size, rank)
+    return plan
+
+
+def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp, rank) -> None:
+    row_in = linear_dims(model.get_submodule(row))[0]
+    if row_in != heads * d:
+        raise ValueError(f"AutoTP: {row} reads {row_in} features, expected num_heads*head_dim = {heads}*{d}.")
+    for c in feeders:
+        out = linear_dims(model.get_submodule(c))[1]
+        if out not in (heads * d, kv * d) and out % d == 0 and (out // d - heads) % 2 == 0:
+            kv = (out // d - heads) // 2  # a fused qkv shows the true kv head count (Falcon's config spells it 3 ways)
+    part = HeadPartition.for_rank(heads, kv, tp, rank, where=row.rpartition(".")[0])
+    keep = part.keeps()
+    for c in feeders:
+        module = model.get_submodule(c)
+        out = linear_dims(module)[1]
+        if out == heads * d:
+            layout = concat_layout([("q", heads, d)])
+        elif out == kv * d:
+            layout = concat_layout([("k", kv, d)])
+        elif out == (heads + 2 * kv) * d:
+            layout = _fused_qkv_layout(model_type, config, c, heads, kv, d)
+        else:
+            raise ValueError(
+                f"AutoTP: {c} has {out} outputs, which is none of q ({heads}*{d}), k/v ({kv}*{d}) or fused qkv."
+            )
+        _set_linear(plan, c, module, select(layout, keep), None)
+    _set_linear(plan, row, model.get_submodule(row), None, select(concat_layout([("q", heads, d)]), keep, dim=0))
+    _attention_edits(plan, model, feeders + [row], part, heads, kv, d)
+
+
+def _plan_mlp(plan, model, row, row_in, feeders, tp, rank, grain) -> None:
+    for c in feeders:
+        module = model.get_submodule(c)
+        out = linear_dims(module)[1]
+        if out == row_in:
+            shard = even_shard(out, tp, rank, grain=grain, what=f"{c} output features")
+        elif out == 2 * row_in and "gate_up" in c.rpartition(".")[2]:
+            shard = halves_shard(out, tp, rank, grain=grain, what=f"{c} output features")
+        else:
+            raise ValueError(
+                f"AutoTP: {c} has {out} outputs but {row} reads {row_in}; this MLP pattern is not supported."
+            )
+        _set_linear(plan, c, module, shard, None)
+    shard_in = even_shard(row_in, tp, rank, grain=grain, what=f"{row} input features")
+    _set_linear(plan, row, model.get_submodule(row), None, shard_in)
+
+
+def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    return None
+
+
+def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int) -> None:
+    # The vocab splits by single rows (grain 1): any vocab size works, pieces differ by at most one row.
+    grain = 1
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = _module_name(model, get_in() if get_in else None)
+    if emb is not None and isinstance(model.get_submodule(emb), nn.Embedding):
+        vocab = model.get_submodule(emb).weight.shape[0]
+        shard = even_shard(vocab, tp, rank, grain=grain, what="vocab_size")
+        plan.shards[f"{emb}.weight"] = shard
+        plan.embedding = (emb, *shard.ranges[0])
+    head = _module_name(model, get_out() if get_out else None)
+    if head is not None and isinstance(model.get_submodule(head), nn.Linear):
+        module = model.get_submodule(head)
+        vocab = module.weight.shape[0]
+        shard = even_shard(vocab, tp, rank, grain=grain, what="vocab_size")
+        plan.shards[f"{head}.weight"] = shard
+        if module.bias is not None:
+            plan.shards[f"{head}.bias"] = shard
+        plan.head = (head, split_sizes(vocab, tp, grain, "vocab_size"))
+
+
+def local_config(config: Any, overrides: dict[str, int]) -> Any:
+    """A shallow copy of ``config`` with local head counts (only keys the config already has)."""
+    out = copy.copy(config)
+    for key, value in overrides.items():
+        if key in ("num_attention_heads", "num_key_value_heads") or hasattr(config, key):
+            try:
+                setattr(out, key, value)
+            except AttributeError:
+                pass
+    return out
+
+
+__all__ = ["TPPlan", "build_plan", "find_blocks", "is_linear", "is_norm", "local_config"]

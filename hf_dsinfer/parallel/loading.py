@@ -1,0 +1,298 @@
+"""Per-rank sharded loading: each rank reads only its slice of every tensor from the safetensors files.
+
+``load_pretrained_tp`` builds the model on the meta device (no memory), plans tensor parallelism on it (shapes
+shrink), then materializes every parameter from ``safe_open(file).get_slice(name)[...]``. Each file is opened per
+tensor, so the pages a slice touched are unmapped right after it is read: peak host memory per rank stays near
+``1/tp`` of the weights plus the largest single tensor. Buffers that are not in the checkpoint (rotary ``inv_freq``)
+are recomputed by transformers' own ``initialize_weights``, which skips every loaded parameter.
+
+Also here: DeepSpeed's checkpoint JSON (``{"type", "checkpoints", "version", "base_dir", "tp_size" |
+"parallelization"}``) and TP-split checkpoints (``save_mp_checkpoint``: per-rank shard files plus that JSON), which a
+later start loads without re-slicing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .apply import apply_plan, finish, parameter_groups
+from .autotp import TPPlan, build_plan
+from .groups import TPGroup, barrier
+from .shard import Shard
+
+DESCRIPTION_KEYS = {
+    "type", "checkpoints", "version", "base_dir", "tp_size", "parallelization", "dtype", "tp_grain_size"
+}
+DESCRIPTION_FILE = "ds_inference_config.json"
+
+
+class SafetensorsIndex:
+    """tensor name -> file, over a set of safetensors files; reads whole tensors or :class:`Shard` slices."""
+
+    def __init__(self, files: Iterable[str]):
+        self.files = list(files)
+        self.where: dict[str, str] = {}
+        self.stored: dict[str, str] = {}  # model-side name -> name in the file, where transformers renames keys
+        for path in self.files:
+            if not path.endswith(".safetensors"):
+                raise ValueError(
+                    f"{path}: only .safetensors checkpoints can be read per slice; convert it (save_pretrained writes "
+                    "safetensors) or load with tp_size=1."
+                )
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    self.where[key] = path
+
+    @classmethod
+    def from_directory(cls, directory: str) -> SafetensorsIndex:
+        """The checkpoint in a model directory (``model.safetensors.index.json``, ``model.safetensors`` or any
+        ``*.safetensors``)."""
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        if not files:
+            raise ValueError(
+                f"{directory} holds no .safetensors weights; tensor-parallel loading reads slices of safetensors files "
+                "(re-save the model with save_pretrained, or load with tp_size=1)."
+            )
+        return cls(os.path.join(directory, n) for n in files)
+
+    def rename_for(self, model: nn.Module) -> SafetensorsIndex:
+        """Apply transformers' checkpoint key renames for ``model`` (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``).
+
+        Renames that only change names are followed; a key matched by a converting transform (experts merged,
+        tensors fused at load) cannot be read per slice and raises, naming it.
+        """
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming
+        except ImportError:  # a transformers without conversion mappings stores model names as they are
+            return self
+        transforms = get_model_conversion_mapping(model)
+        renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+        others = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        for key in list(self.where):
+            for t in others:
+                if t.rename_source_key(key)[1] is not None:
+                    raise ValueError(
+                        f"checkpoint tensor {key} is converted by transformers at load ({type(t).__name__}); such "
+                        "checkpoints cannot be read per slice. Load with tp_size=1, save_pretrained, then use TP."
+                    )
+            new = key
+            for t in renames:
+                new = t.rename_source_key(new)[0]
+            if new != key:
+                self.where[new] = self.where[key]
+                self.stored[new] = self.stored.get(key, key)
+        return self
+
+    def find(self, names: list[str], prefix: str = "") -> str | None:
+        """The first of ``names`` stored here (also tried with the base-model prefix added or removed)."""
+        for name in names:
+            candidates = [name]
+            if prefix:
+                candidates += [f"{prefix}.{name}", name[len(prefix) + 1:] if name.startswith(prefix + ".") else None]
+            for c in candidates:
+                if c is not None and c in self.where:
+                    return c
+        return None
+
+    def read(self, key: str, shard: Shard | None) -> torch.Tensor:
+        """The stored tensor ``key``, or only this rank's ``shard`` of it (a fresh tensor, the file is closed)."""
+        stored = self.stored.get(key, key)
+        with safe_open(self.where[key], framework="pt") as f:
+            if shard is None:
+                return f.get_tensor(stored).clone()  # a private copy, not a view of the file map
+            piece = f.get_slice(stored)
+            return shard.read(piece, piece.get_shape())
+
+
+def _build_meta(cls: type, config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return cls._from_config(config, **kwargs)
+
+
+def materialize(
+    model: nn.Module,
+    plan: TPPlan,
+    tp: TPGroup,
+    sharded: SafetensorsIndex,
+    replicated: SafetensorsIndex | None = None,
+    presliced: bool = False,
+    device: torch.device | None = None,
+) -> nn.Module:
+    """Load every parameter of the meta ``model`` (this rank's slices of ``sharded``), then its buffers.
+
+    ``presliced``: ``sharded`` already holds this rank's slices (a TP-split checkpoint); replicated tensors then come
+    from ``replicated``.
+    """
+    device = device or torch.device("cpu")
+    prefix = getattr(model, "base_model_prefix", "")
+    replicated = replicated or sharded
+
+    def load(names: list[str], shard: Shard | None, current: torch.Tensor) -> torch.Tensor:
+        source = replicated if (presliced and shard is None) else sharded
+        key = source.find(names, prefix)
+        if key is None:
+            raise ValueError(f"the checkpoint has no tensor for {names[0]} (also looked for {names[1:]}).")
+        tensor = source.read(key, None if presliced else shard)
+        expected = shard.local_shape(current.shape) if shard is not None else tuple(current.shape)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{key}: checkpoint shape {tuple(tensor.shape)} does not match this rank's {expected}.")
+        dtype = current.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(device=device, dtype=dtype)
+
+    apply_plan(model, plan, tp, load=load)
+    _materialize_buffers(model, replicated, prefix, device)
+    return model
+
+
+def _materialize_buffers(model: nn.Module, index: SafetensorsIndex, prefix: str, device: torch.device) -> None:
+    """Persistent buffers from the checkpoint; the rest recomputed by transformers' initialization."""
+    pending = False
+    for mod_name, module in model.named_modules():
+        persistent = set(module._buffers) - getattr(module, "_non_persistent_buffers_set", set())
+        for bname, buf in list(module._buffers.items()):
+            if buf is None or not buf.is_meta:
+                continue
+            full = f"{mod_name}.{bname}" if mod_name else bname
+            key = index.find([full], prefix) if bname in persistent else None
+            if key is not None:
+                value = index.read(key, None).to(device)
+                value._is_hf_initialized = True
+            else:
+                value = torch.empty_like(buf, device=device)
+                pending = True
+            module._buffers[bname] = value
+    if pending:
+        init = getattr(model, "initialize_weights", None) or getattr(model, "init_weights", None)
+        if init is None:
+            raise ValueError(f"{type(model).__name__} has buffers missing from the checkpoint and no init method.")
+        init()
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise ValueError(f"tensors still unloaded after loading: {leftover[:5]}")
+
+
+def read_description(checkpoint: str | dict, base_dir: str = "") -> dict[str, Any]:
+    """DeepSpeed's checkpoint JSON (a path or a dict), checked; ``base_dir`` (argument or key) made absolute."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = os.fspath(checkpoint)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint={path!r} is not a file; pass DeepSpeed's checkpoint JSON (path or dict).")
+        with open(path, encoding="utf-8") as f:
+            desc = json.load(f)
+        base = base_dir or desc.get("base_dir") or os.path.dirname(os.path.abspath(path))
+    else:
+        desc = dict(checkpoint)
+        base = base_dir or desc.get("base_dir") or ""
+    unknown = set(desc) - DESCRIPTION_KEYS
+    if unknown:
+        raise ValueError(
+            f"checkpoint description has unknown keys {sorted(unknown)}; known: {sorted(DESCRIPTION_KEYS)}."
+        )
+    if "checkpoints" not in desc:
+        raise ValueError(
+            "checkpoint description needs a 'checkpoints' entry (a list of files, or {'tp': [...], 'non_tp': [...]})."
+        )
+    desc["base_dir"] = base
+    return desc
+
+
+def _files(desc: dict[str, Any], entries: list[str]) -> list[str]:
+    return [e if os.path.isabs(e) else os.path.join(desc["base_dir"], e) for e in entries]
+
+
+def load_from_description(
+    model: nn.Module, desc: dict[str, Any], tp: TPGroup, grain: int = 1,
+    injection_policy: dict[str, list[str]] | None = None, device: torch.device | None = None,
+) -> nn.Module:
+    """Load a meta ``model`` from a checkpoint description: a TP-split one (``parallelization: "tp"``) reads this
+    rank's file as is; a plain list of files is read per slice."""
+    if tp.size > 1:
+        plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy)
+    else:
+        plan = TPPlan(1, 0)
+    ckpts = desc["checkpoints"]
+    if desc.get("parallelization") == "tp" or isinstance(ckpts, dict):
+        saved = int(desc.get("tp_size", 1))
+        if saved != tp.size:
+            raise ValueError(
+                f"the checkpoint was split for tp_size={saved} but this run has tp_size={tp.size}; run with "
+                f"tp_size={saved} or load the original (unsplit) checkpoint."
+            )
+        if int(desc.get("tp_grain_size", grain)) != grain:
+            raise ValueError(
+                f"the checkpoint was split with tp_grain_size={desc['tp_grain_size']}, this run uses {grain}."
+            )
+        tp_files = _files(desc, ckpts["tp"])
+        sharded = SafetensorsIndex([tp_files[tp.rank]])
+        replicated = SafetensorsIndex(_files(desc, ckpts.get("non_tp", [])))
+        materialize(model, plan, tp, sharded, replicated, presliced=True, device=device)
+    else:
+        materialize(model, plan, tp, SafetensorsIndex(_files(desc, list(ckpts))).rename_for(model), device=device)
+    finish(model, tp)
+    return model
+
+
+def load_pretrained_tp(
+    cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = 1,
+    injection_policy: dict[str, list[str]] | None = None, checkpoint: dict[str, Any] | None = None,
+    attn_implementation: str | None = None, device: torch.device | None = None,
+) -> nn.Module:
+    """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices."""
+    model = _build_meta(cls, config, dtype, attn_implementation)
+    if checkpoint is not None:
+        load_from_description(model, checkpoint, tp, grain, injection_policy, device)
+    else:
+        plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy)
+        materialize(model, plan, tp, SafetensorsIndex.from_directory(path).rename_for(model), device=device)
+        finish(model, tp)
+    model.eval()
+    return model
+
+
+def save_mp_checkpoint(model: nn.Module, tp: TPGroup, directory: str, dtype_name: str, grain: int = 1) -> str:
+    """Write this rank's slices (``tp_XX.safetensors``); rank 0 also writes the replicated tensors, config.json and
+    the description ``ds_inference_config.json`` that a later start passes as ``checkpoint``. Returns its path."""
+    plan: TPPlan = getattr(model, "_dsinfer_tp_plan", None) or TPPlan(1, 0)
+    os.makedirs(directory, exist_ok=True)
+    sharded, replicated = {}, {}
+    for names, _, param in parameter_groups(model):
+        target = sharded if any(n in plan.shards for n in names) else replicated
+        target[names[0]] = param.detach().to("cpu").contiguous()
+    for name, buf in model.named_buffers():
+        owner, _, bname = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if bname not in getattr(module, "_non_persistent_buffers_set", set()):
+            replicated[name] = buf.detach().to("cpu").contiguous()
+    tp_files = [f"tp_{r:02d}.safetensors" for r in range(tp.size)]
+    save_file(sharded, os.path.join(directory, tp_files[tp.rank]))
+    out = os.path.join(directory, DESCRIPTION_FILE)
+    if tp.rank == 0:
+        save_file(replicated, os.path.join(directory, "non_tp.safetensors"))
+        if hasattr(model, "config"):
+            model.config.to_json_file(os.path.join(directory, "config.json"))
+        desc = {
+            "type": "ds_model", "version": 1.0, "base_dir": os.path.abspath(directory), "parallelization": "tp",
+            "tp_size": tp.size, "tp_grain_size": grain, "dtype": dtype_name,
+            "checkpoints": {"non_tp": ["non_tp.safetensors"], "tp": tp_files},
+        }
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(desc, f, indent=2)
+    barrier(tp)
+    return out

@@ -1,0 +1,194 @@
+"""Which slice of each tensor a tensor-parallel rank keeps: pure index arithmetic, no torch.distributed.
+
+A :class:`Shard` names the rows (or columns) a rank keeps along one dim as ``[start, stop)`` pieces, concatenated in
+order. The same object cuts an in-memory tensor (:meth:`Shard.take`) and reads the piece straight from a safetensors
+file (:meth:`Shard.read`), so in-place sharding, per-rank sliced loading and the fused layers' TP plans (policies
+declare ``column`` / ``row`` / ``qkv`` / ``gate_up``) all share one set of rules:
+
+* **Heads** are never split: q heads must divide evenly over the ranks. Rank ``r`` keeps whole KV-head groups (its
+  kv heads and the q heads that attend to them). When there are fewer kv heads than ranks (``tp % num_kv_heads ==
+  0``), each kv head is replicated on the ``tp // num_kv_heads`` ranks whose q heads need it.
+* **Grain rule** for the MLP intermediate dim: it is cut into units of ``grain`` elements
+  (``tensor_parallel.tp_grain_size``, default 1); ``units // tp`` go to each rank and the first ``units % tp`` ranks
+  take one more. The dim must be a multiple of ``grain`` and hold at least ``tp`` units. The vocab uses grain 1.
+* **Fused layouts** (``[q | k | v]``, per-head interleaved ``[q k v]``, ``[gate | up]``) are lists of segments; a
+  rank keeps, in every segment, the units it would keep from the unfused tensor, so each part splits consistently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The pieces ``ranges`` (``[start, stop)``, in order) a rank keeps along ``dim`` of a tensor of ``full`` there."""
+
+    dim: int
+    ranges: Ranges
+    full: int
+
+    @property
+    def size(self) -> int:
+        """Length of the kept dim."""
+        return sum(b - a for a, b in self.ranges)
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """``shape`` with ``dim`` shrunk to :attr:`size` (checks the full length)."""
+        if shape[self.dim] != self.full:
+            raise ValueError(f"tensor of shape {tuple(shape)} does not match a shard of {self.full} along {self.dim}")
+        out = list(shape)
+        out[self.dim] = self.size
+        return tuple(out)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full ``tensor``, as a new contiguous tensor (the full one can then be freed)."""
+        self.local_shape(tensor.shape)
+        parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)).contiguous().clone()
+
+    def read(self, tensor_slice, shape: Sequence[int]) -> torch.Tensor:
+        """This rank's piece read from a safetensors ``get_slice`` object of a tensor of ``shape``, as a private copy.
+
+        safetensors returns views into a copy-on-write map of the whole file; copying keeps only this rank's bytes
+        resident and lets the map go once the file is closed.
+        """
+        self.local_shape(shape)
+        lead = (slice(None),) * self.dim
+        parts = [tensor_slice[lead + (slice(a, b),)] for a, b in self.ranges]
+        if len(parts) == 1:
+            return parts[0].clone(memory_format=torch.contiguous_format)
+        return torch.cat(parts, dim=self.dim)
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def split_units(n: int, tp: int, rank: int, grain: int = 1, what: str = "dimension") -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank`` when ``n`` elements are split over ``tp`` ranks by the grain rule."""
+    if n % grain:
+        raise ValueError(
+            f"tensor_parallel.tp_grain_size={grain} does not divide {what} ({n}); use a grain size that divides {n}."
+        )
+    units = n // grain
+    if units < tp:
+        raise ValueError(
+            f"{what} ({n}) has {units} units of tp_grain_size={grain}, fewer than tp_size={tp}; lower tp_size or "
+            "tp_grain_size."
+        )
+    base, extra = divmod(units, tp)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return start * grain, stop * grain
+
+
+def split_sizes(n: int, tp: int, grain: int = 1, what: str = "dimension") -> list[int]:
+    """Every rank's length under :func:`split_units` (rank order)."""
+    return [b - a for a, b in (split_units(n, tp, r, grain, what) for r in range(tp))]
+
+
+@dataclass(frozen=True)
+class HeadPartition:
+    """The q heads ``[q_start, q_stop)`` and kv heads ``[kv_start, kv_stop)`` one rank keeps."""
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_stop - self.q_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_stop - self.kv_start
+
+    @classmethod
+    def for_rank(cls, num_heads: int, num_kv_heads: int, tp: int, rank: int, where: str = "") -> HeadPartition:
+        """Rank ``rank``'s heads; errors say which number does not divide which (``where`` names the module)."""
+        at = f" in {where}" if where else ""
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) does not divide num_attention_heads ({num_heads}){at}."
+            )
+        if num_heads % tp:
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp} does not divide num_attention_heads ({num_heads}){at}; use a tp_size "
+                f"that divides {num_heads}."
+            )
+        per_rank = num_heads // tp
+        if num_kv_heads % tp == 0:
+            kv_per_rank = num_kv_heads // tp
+            return cls(rank * per_rank, (rank + 1) * per_rank, rank * kv_per_rank, (rank + 1) * kv_per_rank)
+        if tp % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp} and num_key_value_heads ({num_kv_heads}){at}: neither divides the "
+                f"other; kv heads can be split ({num_kv_heads} % tp == 0) or replicated (tp % {num_kv_heads} == 0)."
+            )
+        # Fewer kv heads than ranks: this rank's q heads all sit in one kv group; keep (replicate) that kv head.
+        group = num_heads // num_kv_heads
+        kv = (rank * per_rank) // group
+        return cls(rank * per_rank, (rank + 1) * per_rank, kv, kv + 1)
+
+    def keeps(self) -> dict[str, tuple[int, int]]:
+        """Unit ranges per part name, for :func:`select`: q heads, and kv heads for ``k`` and ``v``."""
+        kv = (self.kv_start, self.kv_stop)
+        return {"q": (self.q_start, self.q_stop), "k": kv, "v": kv}
+
+
+# A layout lists the segments of a fused dim in order: (part name, first unit, unit count, elements per unit).
+Segment = tuple[str, int, int, int]
+
+
+def concat_layout(parts: Sequence[tuple[str, int, int]]) -> list[Segment]:
+    """Parts stored one after the other, ``[(name, units, unit_size), ...]``: e.g. ``[q | k | v]``, ``[gate | up]``."""
+    return [(name, 0, units, size) for name, units, size in parts]
+
+
+def grouped_layout(groups: int, per_group: Sequence[tuple[str, int, int]]) -> list[Segment]:
+    """Parts interleaved per group: ``groups`` times ``per_group`` (e.g. GPT-NeoX's per-head ``[q k v]``: groups =
+    heads, per_group = ``[("q", 1, d), ("k", 1, d), ("v", 1, d)]``; Falcon-40B's per-kv-group ``[q.. k v]``)."""
+    return [(name, g * units, units, size) for g in range(groups) for name, units, size in per_group]
+
+
+def select(layout: Sequence[Segment], keep: dict[str, tuple[int, int]], dim: int = 0) -> Shard:
+    """The :class:`Shard` keeping, in every segment, the units of each part inside ``keep[part]`` (``[lo, hi)``)."""
+    ranges = []
+    offset = 0
+    for name, first, units, size in layout:
+        lo, hi = keep[name]
+        a, b = max(first, lo), min(first + units, hi)
+        if a < b:
+            ranges.append((offset + (a - first) * size, offset + (b - first) * size))
+        offset += units * size
+    return Shard(dim, _merge(ranges), offset)
+
+
+def even_shard(n: int, tp: int, rank: int, dim: int = 0, grain: int = 1, what: str = "dimension") -> Shard:
+    """A plain split of ``n`` by the grain rule along ``dim``."""
+    a, b = split_units(n, tp, rank, grain, what)
+    return Shard(dim, ((a, b),), n)
+
+
+def halves_shard(n: int, tp: int, rank: int, dim: int = 0, grain: int = 1, what: str = "dimension") -> Shard:
+    """``[gate | up]`` of ``n`` elements: each half split by the grain rule, the two pieces kept in order."""
+    if n % 2:
+        raise ValueError(f"fused gate/up {what} ({n}) is odd; it cannot hold two equal halves.")
+    half = n // 2
+    a, b = split_units(half, tp, rank, grain, what)
+    return Shard(dim, _merge([(a, b), (half + a, half + b)]), n)

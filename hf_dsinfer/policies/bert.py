@@ -1,0 +1,160 @@
+"""BERT policy: a post-norm encoder (``ln(x + attn(x))``, ``ln(x + mlp(x))``) with non-causal attention.
+
+Only the encoder layers are fused. Embeddings (word + absolute position + token type, then LayerNorm) stay HF's own
+module and are called as they are, so position and token-type rules are HF's by construction; the pooler and every
+task head stay HF's too. The fused forward replaces ``BertModel.forward`` only, which is what each head
+(``BertForMaskedLM``, sequence/token classification, ...) calls, so they all run on fused layers unchanged.
+
+Encoders keep no KV cache: attention is :func:`~hf_dsinfer.kernels.encoder_attention` over the whole sequence.
+Padding must be on the right (BERT tokenizers' default): each row's real tokens are ``[0, lens[b])``; a mask with
+holes or left padding raises a ``ValueError`` rather than giving other numbers than HF. Padding positions come out
+exactly as HF computes them (they attend every real token), not as zeros.
+
+Kept on HF's modules (one warning): ``is_decoder`` / ``add_cross_attention`` (BERT as a causal decoder or with
+cross-attention) and activations without an exact fused equivalent.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+from ..modules import AttentionSpec, LayerSpec, MLPSpec, StepContext
+from .base import Cat, Policy, Source, register
+from .gpt_neox import plain_activation
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+# Keyword arguments of BertModel.forward (and of what heads pass on) that the fused forward cannot honour unless
+# they are None or False.
+_MUST_BE_UNSET = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values")
+
+
+def right_padded_lengths(mask: torch.Tensor | None, batch: int, width: int, device: torch.device) -> torch.Tensor:
+    """Real tokens per row ``[B]`` int32 from a 2D right-padding mask (None: every token is real).
+
+    Costs one host sync, to prove the padding is on the right (encoders are never graph-captured).
+    """
+    if mask is None:
+        return torch.full((batch,), width, dtype=torch.int32, device=device)
+    if mask.ndim != 2 or tuple(mask.shape) != (batch, width):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}; the fused encoder layers take the 2D padding mask "
+            f"[batch, tokens] = ({batch}, {width}) (custom or 4D masks need HF's own modules)."
+        )
+    real = (mask != 0).to(device)  # [B, T]
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask has real tokens after padding; the fused encoder layers support right padding only "
+            "(tokenizer padding_side='right', BERT's default)."
+        )
+    return real.sum(-1).to(torch.int32)
+
+
+def run_encoder_layers(runtime: Runtime, hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The fused encoder layers over ``hidden [B, T, C]`` with ``lens [B]`` real tokens per (right-padded) row."""
+    B, T, _ = hidden.shape
+    zeros = torch.zeros(B, dtype=torch.int32, device=hidden.device)
+    positions = torch.zeros(B * T, dtype=torch.long, device=hidden.device)  # no rotary: positions are in the embeds
+    ctx = StepContext(None, zeros, zeros, positions, None, key_lens=lens)
+    residual = None
+    for layer in runtime.layers:
+        hidden, residual = layer(hidden, residual, ctx)
+    return hidden if residual is None else hidden + residual
+
+
+def install_encoder_forward(model: nn.Module, runtime: Runtime) -> None:
+    """Bind the fused forward on ``model.base_model`` (a ``BertModel``); HF heads keep their own forward around it."""
+    base = model.base_model
+
+    def encoder_forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions | tuple:
+        """Fused replacement of ``BertModel.forward``: HF embeddings, fused layers, HF pooler."""
+        for key, value in kwargs.items():
+            if value is None or value is False:
+                continue
+            hint = " (encoder-decoder use needs HF's modules)" if key in _MUST_BE_UNSET else ""
+            raise ValueError(f"{key}={value!r} is not supported by the fused encoder layers{hint}.")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        hidden = self.embeddings(
+            input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds
+        )  # [B, T, C]
+        B, T, _ = hidden.shape
+        lens = right_padded_lengths(attention_mask, B, T, hidden.device)  # [B]
+        hidden = run_encoder_layers(runtime, hidden, lens)
+        pooled = self.pooler(hidden) if getattr(self, "pooler", None) is not None else None  # [B, C]
+        out = BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden, pooler_output=pooled)
+        return out if return_dict is not False else out.to_tuple()
+
+    base.forward = MethodType(encoder_forward, base)
+
+
+@register
+class BertPolicy(Policy):
+    """bert encoders (``BertModel`` and the encoder-only heads) on fused layers."""
+
+    model_types = ("bert",)
+    hf_classes = (
+        "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
+        "BertForQuestionAnswering", "BertForMultipleChoice", "BertForNextSentencePrediction", "BertForPreTraining",
+    )  # fmt: skip
+    layers_attr = "encoder.layer"
+    embed_attr = "embeddings.word_embeddings"
+    final_norm_attr = None  # post-norm: every layer ends in its own LayerNorm
+    rotary_attr = None
+
+    def unsupported(self, model: nn.Module, max_out_tokens: int) -> str | None:
+        cfg = model.config
+        if cfg.is_decoder or cfg.add_cross_attention:
+            return "is_decoder/add_cross_attention (BERT as a decoder) has no fused encoder path"
+        if not isinstance(cfg.hidden_act, str) or plain_activation(cfg.hidden_act) is None:
+            return f"hidden_act={cfg.hidden_act!r} has no fused MLP equivalent"
+        return None
+
+    def layer_spec(self, model: nn.Module, idx: int, layer: nn.Module) -> LayerSpec:
+        attn = layer.attention.self
+        heads = attn.num_attention_heads
+        return LayerSpec(
+            attention=AttentionSpec(
+                heads, heads, attn.attention_head_size, float(attn.scaling), rotary=False, causal=False
+            ),
+            mlp=MLPSpec(gated=False, activation=plain_activation(model.config.hidden_act)),
+            norm=self.norm_spec(layer.attention.output.LayerNorm),
+            residual="post",
+        )
+
+    def weight_map(self, model: nn.Module, idx: int, layer: nn.Module) -> dict[str, Source | str | None]:
+        return {
+            "attn_norm.weight": "attention.output.LayerNorm.weight",
+            "attn_norm.bias": "attention.output.LayerNorm.bias",
+            "mlp_norm.weight": "output.LayerNorm.weight",
+            "mlp_norm.bias": "output.LayerNorm.bias",
+            "attn.qkv.weight": Cat(
+                "attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"
+            ),
+            "attn.qkv.bias": Cat("attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"),
+            "attn.o.weight": "attention.output.dense.weight",
+            "attn.o.bias": "attention.output.dense.bias",
+            "mlp.up.weight": "intermediate.dense.weight",
+            "mlp.up.bias": "intermediate.dense.bias",
+            "mlp.down.weight": "output.dense.weight",
+            "mlp.down.bias": "output.dense.bias",
+        }
+
+    def install_forward(self, model: nn.Module, runtime: Runtime) -> None:
+        install_encoder_forward(model, runtime)

@@ -1,0 +1,62 @@
+"""``hf-dsinfer bench``: the tiny preset runs on CPU, prints the comparison table and writes JSON and markdown."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hf_dsinfer.bench import PRESETS, build_random_model, markdown_table, preset_config
+from hf_dsinfer.cli import main
+
+
+def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
+    argv = ["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "6",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| contender | batch |" in out
+    for name in ("HF eager", "HF static+compile", "hf_dsinfer"):
+        assert name in out
+    report = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert (tmp_path / "bench-tiny.md").read_text() == markdown_table(report)
+    assert report["copy_gbs"] > 0
+    rows = {(r["peer"], r["batch"]): r for r in report["rows"]}
+    assert set(rows) == {(p, b) for p in ("eager", "compile", "dsinfer") for b in (1, 2)}
+    for peer in ("eager", "dsinfer"):  # these must always run; compile may report n/a with its reason
+        for b in (1, 2):
+            r = rows[(peer, b)]
+            assert r["note"] == "", r["note"]
+            assert r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["gbs"] > 0
+    for b in (1, 2):
+        r = rows[("compile", b)]
+        assert r["decode_tokens_per_s"] or r["note"].startswith("n/a: ")
+
+
+def test_na_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
+    import hf_dsinfer.bench as bench
+
+    def broken(peer, model, args, device):
+        raise RuntimeError("no such backend\nsecond line")
+
+    monkeypatch.setattr(bench, "_prepare", broken)
+    argv = ["bench", "--peers", "eager", "--batch-sizes", "1,3", "--new-tokens", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert [(r["peer"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 3)]
+    assert all(r["note"] == "n/a: RuntimeError: no such backend" for r in report["rows"])
+    assert "| HF eager | 1 | n/a |" in capsys.readouterr().out
+
+
+def test_random_model_keeps_ties_and_buffers():
+    config = preset_config("qwen2-1.5b")
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 1, 96, 128
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 6, 2, 300
+    model = build_random_model(config, torch.device("cpu"), torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(p.is_meta for p in model.parameters())
+    rot = model.model.rotary_emb.inv_freq
+    assert torch.isfinite(rot).all() and rot[0] == 1.0
+    assert set(PRESETS) >= {"tiny", "llama2-7b", "llama3-8b", "mistral-7b", "qwen2-1.5b", "opt-1.3b"}
+    out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)

