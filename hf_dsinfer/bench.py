@@ -22,7 +22,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -321,7 +321,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per point (median; default 3 CUDA, 1 CPU)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 gives stable numbers on a shared machine: OpenMP threads spin)")
     p.add_argument("--out", default=".", help="directory for bench-<preset>.json and bench-<preset>.md")
+    p.add_argument("--hybrid", action="store_true",
+                   help="Hybrid Engine mode: plain HF generate inside a LoRA training loop vs HybridEngine (first "
+                        "batch size; DeepSpeed's setup: --preset opt-1.3b --batch-sizes 8 --prompt-len 256 "
+                        "--new-tokens 128)")
 
 
 def bench_main(ns: argparse.Namespace) -> dict:
@@ -339,12 +345,43 @@ def bench_main(ns: argparse.Namespace) -> dict:
     )
     if args.new_tokens < 2 or args.prompt_len < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise SystemExit("bench needs --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if getattr(ns, "hybrid", False):
+        return _hybrid_main(args, ns.out)
     report = run_bench(args)
+    report["settings"]["threads"] = torch.get_num_threads()
     table = markdown_table(report)
     os.makedirs(ns.out, exist_ok=True)
     stem = os.path.join(ns.out, f"bench-{args.preset}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(table)
+    print(table)
+    print(f"wrote {stem}.json and {stem}.md")
+    return report
+
+
+def _hybrid_main(args: BenchArgs, out: str) -> dict:
+    """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
+    from .hybrid.bench import run_hybrid_bench
+
+    rows = run_hybrid_bench(
+        args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        device=args.device, dtype=args.dtype, iterations=args.repeats,
+    )  # fmt: skip
+    cols = ("peer", "generate_ms", "refresh_ms", "train_ms", "e2e_ms", "tokens_per_s", "peak_mem_mib", "note")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        cells = [f"{v:.1f}" if isinstance(v, float) else ("-" if v is None else str(v)) for v in map(row.get, cols)]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows}
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"bench-hybrid-{args.preset}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, default=str)
     with open(stem + ".md", "w", encoding="utf-8") as f:
         f.write(table)
     print(table)

@@ -60,3 +60,13 @@ def test_random_model_keeps_ties_and_buffers():
     assert set(PRESETS) >= {"tiny", "llama2-7b", "llama3-8b", "mistral-7b", "qwen2-1.5b", "opt-1.3b"}
     out = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert out.shape == (1, 6)
+
+
+def test_bench_hybrid_mode_writes_table(tmp_path, capsys):
+    from hf_dsinfer.cli import main
+
+    main(["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "2", "--prompt-len", "8", "--new-tokens", "4",
+          "--repeats", "1", "--device", "cpu", "--threads", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
+    assert len(report["rows"]) == 2 and all(r["generate_ms"] and r["generate_ms"] > 0 for r in report["rows"])
+    assert "generate_ms" in capsys.readouterr().out
