@@ -47,16 +47,7 @@ class DecodeStep:
         start = self._start[:batch]  # [B]: a decode token is never padding
         cache_lens = cache.lengths[:batch]  # [B] int32: tokens stored before this step
         ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), rt.rotary, cache_lens + 1)
-        residual = None
-        for layer in rt.layers:
-            hidden, residual = layer(hidden, residual, ctx)
-        if rt.final_norm is not None:
-            hidden = rt.final_norm(hidden) if residual is None else rt.final_norm(hidden, residual)[0]
-        elif residual is not None:
-            hidden = hidden + residual
-        finalize_hidden = getattr(self.policy, "finalize_hidden", None)
-        if finalize_hidden is not None:
-            hidden = finalize_hidden(self.model, hidden)
+        hidden = rt.run_layers(self.model, hidden, ctx)
         cache.lengths[:batch] += 1  # in place: a replayed graph advances the same tensor
         logits = self.lm_head(hidden[:, -1])  # [B, V]
         return self.policy.finalize_logits(self.model, logits).float()

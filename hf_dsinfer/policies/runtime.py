@@ -174,6 +174,16 @@ class Runtime:
         cache_lens = cache.lengths[:batch]  # [B] int32, lengths before this step
         seq_lens = cache_lens + (1 - start) if width == 1 else None  # [B] decode: lengths including the new token
         ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), self.rotary, seq_lens)
+        hidden = self.run_layers(model, hidden, ctx)
+        cache.advance(width - start, width)
+        return hidden, InjectedCache(self)
+
+
+    def run_layers(self, model: nn.Module, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The fused layers, the final norm and the policy's last touch (``hidden [B, T, C]`` in and out).
+
+        Shared by the full forward above and the graph-captured decode step in ``generation/decode.py``.
+        """
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
@@ -181,10 +191,7 @@ class Runtime:
             hidden = self.final_norm(hidden) if residual is None else self.final_norm(hidden, residual)[0]
         elif residual is not None:
             hidden = hidden + residual
-        hidden = self.policy.finalize_hidden(model, hidden)
-        cache.advance(width - start, width)
-        return hidden, InjectedCache(self)
-
+        return self.policy.finalize_hidden(model, hidden)
 
 class InjectedCache(Cache):
     """The transformers ``Cache`` an injected model returns: a handle on its static KV cache.
