@@ -101,3 +101,27 @@ def test_fidelity(name, dtype_name, mode, saved):
     for i, p in enumerate(batch):
         single = _greedy(optimized, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
         assert torch.equal(padded[i], single[0]), f"row {i} of the left-padded batch differs from its single run"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@torch.no_grad()
+def test_fidelity_cuda(name, dtype_name, saved):
+    """The table on a GPU with the Triton kernels: fused logits against HF's within the dtype's tolerance."""
+    arch = ARCHITECTURES[name]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    path = saved(name)
+    cls = getattr(transformers, arch.auto_class)
+    reference = cls.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    optimized = cls.from_pretrained(path, inference_config={"dtype": dtype_name, "replace_with_kernel_inject": True})
+    assert next(optimized.parameters()).is_cuda
+    ids = torch.tensor([prompts()[1]], device="cuda")
+    out = "last_hidden_state" if arch.encoder else "logits"
+    torch.testing.assert_close(
+        getattr(optimized(input_ids=ids), out).float(), getattr(reference(input_ids=ids), out).float(),
+        **MODEL_LOGITS_TOL[dtype],
+    )
+    if not arch.encoder:
+        mask = torch.ones_like(ids)
+        assert torch.equal(_greedy(optimized, ids, mask), _greedy(reference, ids, mask))
