@@ -34,7 +34,13 @@ def interpreter_enabled() -> bool:
 
 def get_backend() -> str:
     """The requested backend, validated."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    return _parse_backend(os.environ.get(ENV_VAR, "auto"))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_backend(raw: str) -> str:
+    # Cached by the raw string: every kernel call asks, and the variable may still change between calls.
+    value = raw.strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"{ENV_VAR}={value!r} is not a backend; use one of {', '.join(BACKENDS)}.")
     return value

@@ -56,17 +56,52 @@ def decode_attention_torch(
     softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference of :func:`decode_attention` (fp32 masked matmul + softmax; ``num_splits`` ignored).
+    """Plain-torch version of :func:`decode_attention` (``num_splits`` ignored).
 
-    Also the CPU production path; it syncs once on ``seq_lens`` (unlike the graph-safe Triton launcher).
+    Also the CPU production path: it syncs once on ``seq_lens`` (free on CPU, unlike the graph-safe Triton
+    launcher) to attend only the slots in use, and runs torch's fused SDPA on fp32 inputs without a softcap; other
+    cases take the explicit fp32 scores of :func:`masked_attention_torch` (the test reference).
     """
     check_attention_args(
         q, k_cache, v_cache, (("seq_lens", seq_lens),), 3, sliding_window, softcap, strict_strides=False
     )
+    if softcap is None and q.dtype == torch.float32:
+        # fp32 only: half-precision SDPA on CPU rounds between its blocks, so a row's result would depend on the
+        # length of the longest row in the batch (padded batches must equal single runs).
+        return _decode_sdpa(q, k_cache, v_cache, seq_lens, scale, sliding_window)
     positions = seq_lens.long()[:, None] - 1  # [B, 1]
     valid = positions >= 0
     out = masked_attention_torch(q[:, None], k_cache, v_cache, positions, valid, scale, sliding_window, softcap)
     return out[:, 0]
+
+
+def _decode_sdpa(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    v_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    B, Hq, _ = q.shape
+    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+    L = max(1, min(k_cache.shape[2], hi))  # slots in use by the longest row
+    j = torch.arange(L, device=q.device)
+    lens = seq_lens.long()[:, None]  # [B, 1]
+    allowed = j[None, :] < lens  # [B, L]
+    if sliding_window is not None:
+        allowed &= j[None, :] >= lens - sliding_window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None],
+        k_cache[:B, :, :L],  # [B, Hk, L, D] view
+        v_cache[:B, :, :L],
+        attn_mask=allowed[:, None, None],  # [B, 1, 1, L]
+        scale=scale,
+        enable_gqa=k_cache.shape[1] != Hq,
+    )[:, :, 0]  # [B, Hq, D]
+    if lo <= 0:  # a row with nothing cached has no allowed key (NaN from softmax): zeros, like the reference
+        out = out.masked_fill((lens <= 0)[:, :, None], 0.0)
+    return out
 
 
 @functools.lru_cache(maxsize=8)

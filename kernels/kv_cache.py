@@ -64,10 +64,26 @@ def store_kv_torch(
     cache_lens: torch.Tensor,
     start: torch.Tensor,
 ) -> None:
-    """Plain-torch reference of :func:`store_kv` (vectorized ``index_put``; one host sync for the bounds check)."""
+    """Plain-torch reference of :func:`store_kv` (vectorized ``index_put``; host syncs for the bounds check).
+
+    Also the CPU production path, where a host sync is free: a decode step (``T == 1``, no padding) is a single
+    ``index_put`` per tensor.
+    """
     _check_args(k, v, k_cache, v_cache, cache_lens, start, strict_strides=False)
     B, T = k.shape[:2]
     S = k_cache.shape[2]
+    if T == 1 and not bool(start.any()):
+        slot = cache_lens.long()  # [B]: the one new token of each row
+        lo, hi = (int(x) for x in torch.aminmax(slot))
+        if hi >= S or lo < 0:
+            raise ValueError(
+                f"store_kv would write cache slot {hi} (or below 0) but the cache holds S={S} slots; "
+                "check cache_lens/start or allocate a longer cache"
+            )
+        rows = torch.arange(B, device=k.device)
+        k_cache[rows, :, slot] = k[:, 0].to(k_cache.dtype)  # [B, Hk, D] into k_cache[b, :, slot[b]]
+        v_cache[rows, :, slot] = v[:, 0].to(v_cache.dtype)
+        return
     t = torch.arange(T, device=k.device)
     slots = cache_lens.long()[:, None] + t[None, :] - start.long()[:, None]  # [B, T]
     keep = t[None, :] >= start.long()[:, None]  # [B, T]; False for left padding

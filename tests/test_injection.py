@@ -245,3 +245,19 @@ def test_architecture_without_policy_warns_once_and_matches_hf(tmp_path, caplog,
     ids = torch.tensor([[5, 6, 7, 8]])
     kw = dict(max_new_tokens=5, do_sample=False)
     assert torch.equal(opt.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+
+
+@torch.no_grad()
+def test_cpu_linears_use_the_k_major_layout(tmp_path):
+    """On CPU the fused linears and the (tied) LM head are stored K-major; values, ties and outputs are unchanged."""
+    path = save_tiny("llama", tmp_path / "tied", tie_word_embeddings=True)
+    ref, opt = _pair(path)
+    layer = get_injection(opt).runtime.layers[0]
+    for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
+        w = linear.weight
+        assert w.stride() == (1, w.shape[0]), "fused linear weight should be K-major on CPU"
+    head, emb = opt.get_output_embeddings().weight, opt.get_input_embeddings().weight
+    assert head is emb and head.stride() == (1, head.shape[0])
+    torch.testing.assert_close(head, ref.get_output_embeddings().weight, atol=0, rtol=0)
+    ids = torch.tensor([prompts()[0]])
+    torch.testing.assert_close(opt(input_ids=ids).logits, ref(input_ids=ids).logits, **TOL)

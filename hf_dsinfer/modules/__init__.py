@@ -7,13 +7,14 @@ Each module calls the public kernel dispatchers, so it takes the Triton path on 
 
 from .attention import AttentionSpec, FusedAttention, StepContext
 from .kv_cache import StaticKVCache
-from .layer import PARAM_NAMES, RESIDUAL_STYLES, FusedDecoderLayer, LayerSpec
-from .linear import Linear
+from .layer import LINEAR_WEIGHTS, PARAM_NAMES, RESIDUAL_STYLES, FusedDecoderLayer, LayerSpec
+from .linear import Linear, gemm_layout
 from .mlp import FusedMLP, MLPSpec
 from .norms import FusedNorm, NormSpec
 from .rotary import RotaryTable
 
 __all__ = [
+    "LINEAR_WEIGHTS",
     "PARAM_NAMES",
     "RESIDUAL_STYLES",
     "AttentionSpec",
@@ -28,4 +29,5 @@ __all__ = [
     "RotaryTable",
     "StaticKVCache",
     "StepContext",
+    "gemm_layout",
 ]

@@ -59,10 +59,26 @@ class StepContext:
     rotary: RotaryTable | None
     seq_lens: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
+    rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # torch path: angles gathered once per step
 
     @property
     def decode(self) -> bool:
         return self.seq_lens is not None
+
+    def rotate(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        """Rotate the q and k heads of ``qkv [B, T, Hq + 2Hk, D]`` in place (rows q, then k, then v)."""
+        if self.rotary is None:
+            raise RuntimeError("attention uses rotary positions but the model has no rotary table")
+        B, T, _, D = qkv.shape
+        # [B, T, H, D] -> [B*T, H, D] is a view for a fused QKV output (batch and token strides merge); view(), not
+        # reshape(), so a layout that would need a copy fails loudly instead of rotating a temporary.
+        if self.rotary.uses_rows(qkv):
+            if self.rotary_rows is None:
+                self.rotary_rows = self.rotary.rows(self.positions)
+            self.rotary.rotate_rows_(qkv[:, :, : num_heads + num_kv_heads].view(B * T, -1, D), self.rotary_rows)
+        else:
+            q, k = qkv[:, :, :num_heads], qkv[:, :, num_heads : num_heads + num_kv_heads]
+            self.rotary(q.view(B * T, num_heads, D), k.view(B * T, num_kv_heads, D), self.positions)
 
 
 class FusedAttention(nn.Module):
@@ -102,15 +118,12 @@ class FusedAttention(nn.Module):
         B, T, _ = x.shape
         Hq, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hk, D)  # [B, T, Hq + 2Hk, D]
-        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hk], qkv[:, :, Hq + Hk :]  # views, no copy
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # new contiguous [B, T, H, D]
+            q, k = self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq : Hq + Hk])  # new contiguous [B, T, H, D]
+            qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)  # one buffer again, so q and k rotate together
         if s.rotary:
-            if ctx.rotary is None:
-                raise RuntimeError("attention uses rotary positions but the model has no rotary table")
-            # [B, T, H, D] -> [B*T, H, D] is a view for both layouts above (batch and token strides merge); view(),
-            # not reshape(), so a layout that would need a copy fails loudly instead of rotating a temporary.
-            ctx.rotary(q.view(B * T, Hq, D), k.view(B * T, Hk, D), ctx.positions)
+            ctx.rotate(qkv, Hq, Hk)
+        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hk], qkv[:, :, Hq + Hk :]  # views, no copy
         if not s.causal:
             if ctx.key_lens is None:
                 raise RuntimeError("non-causal attention needs StepContext.key_lens (real tokens per row)")

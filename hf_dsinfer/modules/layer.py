@@ -42,7 +42,9 @@ _NORMS_BY_STYLE = {
     "parallel": ("attn_norm",),  # mlp_norm optional
     "post": ("attn_norm", "mlp_norm"),
 }
-_REQUIRED = ("attn.qkv.weight", "attn.o.weight", "mlp.up.weight", "mlp.down.weight")
+#: The weights of the layer's linears (the ones worth a device-specific layout, see ``linear.gemm_layout``).
+LINEAR_WEIGHTS = ("attn.qkv.weight", "attn.o.weight", "mlp.up.weight", "mlp.down.weight")
+_REQUIRED = LINEAR_WEIGHTS
 
 
 @dataclass(frozen=True)

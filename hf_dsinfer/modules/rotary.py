@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hf_dsinfer.kernels import apply_rotary_
+from hf_dsinfer.kernels.backend import use_triton
 
 
 class RotaryTable(nn.Module):
@@ -58,3 +59,37 @@ class RotaryTable(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [N, Hq, D]`` and ``k [N, Hk, D]`` in place by ``positions [N]``; returns ``(q, k)``."""
         return apply_rotary_(q, k, self.cos, self.sin, positions, interleaved=self.interleaved)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width angle rows of ``positions [N]`` for :meth:`rotate_rows_`: ``(cos, sin)``, each ``[N, 1, R]`` fp32.
+
+        A forward step gathers them once and every layer reuses them (the torch path's per-layer cost is then a
+        handful of elementwise ops, which matters on CPU where each op costs microseconds).
+        """
+        c, s = self.cos[positions], self.sin[positions]  # [N, R/2]
+        if self.interleaved:
+            c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
+        else:
+            c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+        return c[:, None], s[:, None]  # [N, 1, R]
+
+    def rotate_rows_(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x [N, H, D]`` in place with rows from :meth:`rows`; the same fp32 math as the kernels' reference.
+
+        ``x`` may be q and k side by side (a view of a fused QKV output): heads are independent.
+        """
+        cos, sin = rows
+        R = self.rotary_dim
+        part = x[..., :R]  # [N, H, R] view
+        xf = part.float()  # a view when x is fp32: rot below is a new tensor before anything is written
+        if self.interleaved:
+            rot = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)  # (a, b) -> (-b, a) per pair
+        else:
+            half = R // 2
+            rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)  # (a, b) -> (-b, a) over halves
+        part.copy_(xf * cos + rot * sin)  # a' = a c - b s, b' = b c + a s
+        return x
+
+    def uses_rows(self, x: torch.Tensor) -> bool:
+        """True when rotating ``x`` takes the torch path, where per-step :meth:`rows` pay off."""
+        return not use_triton(x)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modules import FusedDecoderLayer, FusedNorm, StaticKVCache
+from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
 
@@ -137,15 +137,42 @@ def _drop_file_pages(spans: list[tuple[int, int]]) -> None:
 
 def _release(layer: nn.Module, names: set[str]) -> None:
     """Free the storage of HF parameters that were copied into packed tensors (the HF layer is dropped anyway)."""
+    _free([layer.get_parameter(name) for name in names])
+
+
+def _free(params: list[nn.Parameter]) -> None:
+    """Empty ``params`` (their values live on in copies) and give their file-backed pages back."""
     spans = []
-    for name in names:
-        p = layer.get_parameter(name)
+    for p in params:
         if p.device.type == "cpu":
             storage = p.untyped_storage()
             spans.append((storage.data_ptr(), storage.nbytes()))
             del storage
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     _drop_file_pages(spans)
+
+
+def _relayout_output_embeddings(model: nn.Module) -> None:
+    """Give the LM head's weight the device's GEMM layout (``modules.gemm_layout``), tied embedding included.
+
+    At decode time the head is the largest single read (vocab x hidden); on CPU the K-major layout reads it about
+    twice as fast. A tied input embedding gets the same parameter back, so the tie holds (its row gathers read
+    strided memory, a few microseconds per token).
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    old = getattr(head, "weight", None)
+    if not isinstance(old, nn.Parameter) or old.ndim != 2:
+        return
+    laid = gemm_layout(old)
+    if laid is old:
+        return
+    new = nn.Parameter(laid, requires_grad=False)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is old:
+                module._parameters[name] = new
+    _free([old])
 
 
 def inject(model: nn.Module, cfg: Any) -> nn.Module:
@@ -199,11 +226,17 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
         shared: set[str] = set()
         for fused_name, src in maps[i].items():
             tensor = src.pack(hf_layer.get_parameter)
+            if fused_name in LINEAR_WEIGHTS:
+                laid = gemm_layout(tensor)  # CPU: K-major copy (a shared HF weight becomes a copy too)
+                owned = laid is not tensor
+                tensor = laid
+            else:
+                owned = False
             if isinstance(tensor, nn.Parameter):
                 params[fused_name] = tensor
             else:
                 params[fused_name] = nn.Parameter(tensor, requires_grad=False)
-            (shared if src.shares() else copied).update(src.names())
+            (shared if src.shares() and not owned else copied).update(src.names())
         layers[i] = FusedDecoderLayer.from_params(specs[i], i, params)
         _release(hf_layer, copied - shared)  # one layer at a time: peak memory grows by one layer, not a model
         del hf_layer, params
@@ -216,6 +249,7 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
         # same parameter names: the state dict keeps its keys
         setattr(base.get_submodule(parent) if parent else base, attr, final_norm)
 
+    _relayout_output_embeddings(model)
     dtype = next(layers[0].parameters()).dtype
     rotary = policy.rotary_table(model, max_tokens, dtype)
     cache = StaticKVCache(
