@@ -54,7 +54,8 @@ def main() -> None:
 
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, inference_config={"dtype": dtype, "tensor_parallel": {"tp_size": world}}
+        path,
+        inference_config={"dtype": dtype, "tensor_parallel": {"tp_size": world}, "replace_with_kernel_inject": True},
     )
     tok = transformers.AutoTokenizer.from_pretrained(path)
     batch = tok(["Tensor parallelism", "every layer"], return_tensors="pt", padding=True).to(model.device)

@@ -160,3 +160,56 @@ def test_checkpoint_description_is_checked(tmp_path):
         parallel.read_description({"type": "ds_model", "checkpoints": [], "shards": 2})
     with pytest.raises(ValueError, match="is not a file"):
         hf_dsinfer.init_inference(build_tiny("llama"), dtype="fp32", checkpoint=str(tmp_path / "missing.json"))
+
+
+# -- fused layers on a split model (the 2-rank runs are in test_parallel.py) -----------------------------------------
+
+
+def _layout_for(model, drop_row: str | None = None):
+    """A TPLayout naming the modules AutoTP splits in ``model`` but keeping every head (as on a single rank)."""
+    from hf_dsinfer.policies import TPLayout
+
+    plan = autotp.build_plan(model, 2, 0)  # which modules are row / column parallel; the model itself stays whole
+    rows = frozenset(r for r in plan.row_parallel if r != drop_row)
+    heads = {row: (model.config.num_attention_heads, model.config.num_key_value_heads) for row in plan.local_heads}
+    return TPLayout(heads=heads, row_parallel=rows, column_parallel=frozenset(plan.column_parallel), reduce=lambda t: t)
+
+
+@torch.no_grad()
+def test_fused_layers_take_a_tp_layout_and_reduce_in_o_and_down():
+    """With a layout whose reduce is the identity (one rank), injection builds row-parallel o/down and equals HF."""
+    from hf_dsinfer.policies import get_injection, inject
+
+    ref = build_tiny("llama").eval()
+    model = build_tiny("llama").eval()
+    model.load_state_dict(ref.state_dict())
+    calls = []
+    layout = _layout_for(model)
+    layout = type(layout)(layout.heads, layout.row_parallel, layout.column_parallel, lambda t: calls.append(1) or t)
+    inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=layout)
+    layer = get_injection(model).runtime.layers[0]
+    assert layer.attn.o.reduce is not None and layer.mlp.down.reduce is not None
+    assert layer.attn.qkv.reduce is None and layer.mlp.up.reduce is None
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # one all-reduce per block half
+
+
+def test_tp_layout_mismatch_falls_back_with_one_warning(caplog):
+    """A split the fused layer cannot mirror (here: a row-parallel module it would not reduce) keeps HF's modules."""
+    import logging
+
+    from hf_dsinfer.policies import inject, is_injected
+
+    model = build_tiny("llama").eval()
+    layout = _layout_for(model, drop_row="model.layers.0.mlp.down_proj")
+    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+        inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=layout)
+    assert not is_injected(model)
+    assert "keeps HF's modules split by AutoTP" in caplog.text and "mlp.down.weight of layer 0" in caplog.text
+    wrong = _layout_for(model)
+    wrong.heads.update({k: (1, 1) for k in wrong.heads})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+        inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=wrong)
+    assert not is_injected(model) and "split qkv has" in caplog.text

@@ -77,6 +77,10 @@ ARCHITECTURES: dict[str, Arch] = {
              new_decoder_architecture=True, alibi=False, bias=True),
         notes="new decoder architecture: GQA 3:1 groups, ln_attn/ln_mlp, biases",
     ),
+    "gptj": Arch(
+        "gptj", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136, rotary_dim=8),
+        notes="no policy: HF's modules (fallback warning), AutoTP under tensor parallelism",
+    ),
     "bert": Arch(
         "bert",
         dict(_COMMON, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6),

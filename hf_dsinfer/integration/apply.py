@@ -55,20 +55,37 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     setattr(model, CONFIG_ATTR, cfg)
     model.eval()
     apply_tensor_parallel(model, cfg)
-    if cfg.replace_with_kernel_inject and is_tensor_parallel(model):
-        warn_once(
-            "replace_with_kernel_inject=True with tensor parallelism: fused layers do not take TP plans yet; running "
-            "HF's modules split by AutoTP (output is HF's)."
-        )
-    elif cfg.replace_with_kernel_inject:
+    if cfg.replace_with_kernel_inject:
         from ..policies import inject
 
-        model = inject(model, cfg)  # validates injection_policy too; models without a policy warn once
+        # validates injection_policy too; models without a policy warn once; a TP-split model injects per rank
+        model = inject(model, cfg, tp_layout(model))
+    from .. import parallel
     from ..generation import install_generate
     from ..policies import get_injection
 
     install_generate(model, cfg, get_injection(model))  # the fast generate loop (greedy/sampling), per instance
+    if is_tensor_parallel(model):
+        # The fast loop samples on every rank from the same gathered logits: rank 0's RNG state must reach all.
+        parallel.sync_rng_before_generate(model, model._dsinfer_tp_group)
     return model
+
+
+def tp_layout(model: nn.Module):
+    """The :class:`~hf_dsinfer.policies.TPLayout` of a model split over more than one rank, else None."""
+    if not is_tensor_parallel(model):
+        return None
+    from ..parallel import all_reduce_
+    from ..parallel.apply import GROUP_ATTR, PLAN_ATTR
+    from ..policies import TPLayout
+
+    plan, group = getattr(model, PLAN_ATTR), getattr(model, GROUP_ATTR)
+    return TPLayout(
+        heads=dict(plan.local_heads),
+        row_parallel=frozenset(plan.row_parallel),
+        column_parallel=frozenset(plan.column_parallel),
+        reduce=lambda t: all_reduce_(t, group),
+    )
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:

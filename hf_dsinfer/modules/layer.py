@@ -14,6 +14,7 @@ Residual styles (``LayerSpec.residual``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +80,18 @@ class FusedDecoderLayer(nn.Module):
             setattr(self, name, norms.get(name))
 
     @classmethod
-    def from_params(cls, spec: LayerSpec, layer_idx: int, params: dict[str, nn.Parameter]) -> FusedDecoderLayer:
-        """Build layer ``layer_idx`` from ``params`` keyed by :data:`PARAM_NAMES` (the tensors are adopted as is)."""
+    def from_params(
+        cls,
+        spec: LayerSpec,
+        layer_idx: int,
+        params: dict[str, nn.Parameter],
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> FusedDecoderLayer:
+        """Build layer ``layer_idx`` from ``params`` keyed by :data:`PARAM_NAMES` (the tensors are adopted as is).
+
+        ``reduce`` (tensor parallelism): the in-place sum over ranks that the row-parallel ``attn.o`` and ``mlp.down``
+        apply before their bias; ``params`` and ``spec`` are then this rank's slices and head counts.
+        """
         unknown = sorted(set(params) - set(PARAM_NAMES))
         if unknown:
             raise ValueError(f"unknown fused parameter names {unknown}; valid names: {', '.join(PARAM_NAMES)}")
@@ -91,8 +102,8 @@ class FusedDecoderLayer(nn.Module):
         if missing:
             raise ValueError(f"layer {layer_idx} ({spec.residual} residual) is missing fused parameters {missing}")
 
-        def linear(prefix: str) -> Linear:
-            return Linear(params[f"{prefix}.weight"], params.get(f"{prefix}.bias"))
+        def linear(prefix: str, row_parallel: bool = False) -> Linear:
+            return Linear(params[f"{prefix}.weight"], params.get(f"{prefix}.bias"), reduce if row_parallel else None)
 
         norms = {}
         for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
@@ -102,8 +113,8 @@ class FusedDecoderLayer(nn.Module):
         if spec.attention.qk_norm is not None:
             q_norm = FusedNorm(spec.attention.qk_norm, params["attn.q_norm.weight"])
             k_norm = FusedNorm(spec.attention.qk_norm, params["attn.k_norm.weight"])
-        attn = FusedAttention(spec.attention, layer_idx, linear("attn.qkv"), linear("attn.o"), q_norm, k_norm)
-        mlp = FusedMLP(spec.mlp, linear("mlp.up"), linear("mlp.down"))
+        attn = FusedAttention(spec.attention, layer_idx, linear("attn.qkv"), linear("attn.o", True), q_norm, k_norm)
+        mlp = FusedMLP(spec.mlp, linear("mlp.up"), linear("mlp.down", True))
         return cls(spec, attn, mlp, norms)
 
     def forward(

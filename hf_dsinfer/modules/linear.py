@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,10 +31,18 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` over a given ``weight [out, in]`` and optional ``bias [out]``.
 
     Unlike ``nn.Linear`` it takes the parameters it computes with, so re-packed or shared HF weights are used in place.
-    Tensor-parallel and quantized linears replace this class later.
+    ``reduce``: for a row-parallel linear (tensor parallelism: ``in`` is this rank's slice of the input features), an
+    in-place sum over the ranks applied to ``x @ weight.T`` before the bias, so the bias counts once. It is a callable
+    (``t -> t``) so this layer does not depend on ``hf_dsinfer.parallel``; inside a captured CUDA graph the collective
+    is captured with it.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         if weight.ndim != 2:
             raise ValueError(f"Linear weight must be 2-d [out, in], got shape {tuple(weight.shape)}")
@@ -40,13 +50,18 @@ class Linear(nn.Module):
             raise ValueError(f"Linear bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
         self.weight = weight
         self.bias = bias
+        self.reduce = reduce
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.reduce is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.reduce(F.linear(x, self.weight))  # partial sums [..., out] -> full sums on every rank
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
+        tp = ", row_parallel=True" if self.reduce is not None else ""
+        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}{tp}"

@@ -14,7 +14,7 @@ from typing import Any
 
 from .apply import apply_plan, is_sharded, shard_model
 from .autotp import TPPlan, build_plan, find_blocks
-from .groups import SINGLE, TPGroup, init_distributed, resolve_tp_group
+from .groups import SINGLE, TPGroup, all_reduce_, init_distributed, resolve_tp_group
 from .layers import RowParallelLinear
 from .loading import load_from_description, load_pretrained_tp, read_description, save_mp_checkpoint
 from .rng import broadcast_rng_state, sync_rng_before_generate
@@ -42,6 +42,7 @@ __all__ = [
     "Shard",
     "TPGroup",
     "TPPlan",
+    "all_reduce_",
     "apply_plan",
     "broadcast_rng_state",
     "build_plan",

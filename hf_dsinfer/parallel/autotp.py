@@ -47,6 +47,8 @@ class TPPlan:
     head: tuple[str, list[int]] | None = None  # (module, every rank's vocab rows)
     attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> {attribute: local value}
     config_overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> local config values
+    # attention output projection -> (local q heads, local kv heads): what fused layers need to rebuild their spec
+    local_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -302,6 +304,7 @@ def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d,
             )
         _set_linear(plan, c, module, select(layout, keep), None)
     _set_linear(plan, row, model.get_submodule(row), None, select(concat_layout([("q", heads, d)]), keep, dim=0))
+    plan.local_heads[row] = (part.num_heads, part.num_kv_heads)
     _attention_edits(plan, model, feeders + [row], part, heads, kv, d)
 
 

@@ -37,10 +37,16 @@ def broadcast_rng_state(tp: TPGroup) -> None:
 
 
 def sync_rng_before_generate(model: nn.Module, tp: TPGroup) -> None:
-    """Wrap ``model.generate`` (on this instance) to broadcast rank 0's RNG state first; idempotent."""
-    if tp.size == 1 or getattr(model, _WRAPPED, False) or not hasattr(model, "generate"):
+    """Wrap ``model.generate`` (on this instance) to broadcast rank 0's RNG state first.
+
+    Idempotent while ``model.generate`` is our wrapper; when something installed another ``generate`` since (the fast
+    generation loop is installed after sharding), that one is wrapped too.
+    """
+    if tp.size == 1 or not hasattr(model, "generate"):
         return
     original = model.generate
+    if getattr(model, _WRAPPED, None) is original:
+        return
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
@@ -48,4 +54,4 @@ def sync_rng_before_generate(model: nn.Module, tp: TPGroup) -> None:
         return original(*args, **kwargs)
 
     model.generate = generate
-    setattr(model, _WRAPPED, True)
+    object.__setattr__(model, _WRAPPED, generate)  # plain attribute, not a submodule

@@ -7,6 +7,7 @@ package registers every family below; a new family is one module here plus one i
 from . import bert, falcon, gemma2, gpt2, gpt_neox, llama, opt  # noqa: F401  (register the families)
 from .base import POLICIES, POLICIES_BY_CLASS, Cat, Param, Policy, Source, Transposed, find_policy, register
 from .injection import get_injection, hf_state_dict, inject, is_injected, validate_injection_policy
+from .tp_layout import TPLayout
 
 __all__ = [
     "POLICIES",
@@ -15,6 +16,7 @@ __all__ = [
     "Param",
     "Policy",
     "Source",
+    "TPLayout",
     "Transposed",
     "find_policy",
     "get_injection",

@@ -6,6 +6,7 @@ import ctypes
 import gc
 import logging
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
+from .tp_layout import TPLayout
 
 INJECTION_ATTR = "_dsinfer_injection"
 
@@ -175,11 +177,13 @@ def _relayout_output_embeddings(model: nn.Module) -> None:
     _free([old])
 
 
-def inject(model: nn.Module, cfg: Any) -> nn.Module:
+def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
     """Replace ``model``'s decoder layers with fused ones (in place) and return it.
 
     Models without a policy (or that their policy cannot serve exactly) keep HF's modules, with one warning.
     ``cfg`` is an :class:`~hf_dsinfer.InferenceConfig` (``max_out_tokens``, ``max_batch_size``, ``injection_policy``).
+    ``tp``: the model was split by tensor parallelism first; the fused layers take this rank's slices, local head
+    counts and all-reduces (see :mod:`.tp_layout`), or the split HF modules stay, with one warning.
     """
     if is_injected(model):
         return model
@@ -205,9 +209,11 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
     layers: nn.ModuleList = base.get_submodule(policy.layers_attr)
     # Read every spec and weight map first: a policy error must leave the model untouched.
     specs, maps = [], []
-    for i, hf_layer in enumerate(layers):
-        specs.append(policy.layer_spec(model, i, hf_layer))
-        wmap = {k: as_source(v) for k, v in policy.weight_map(model, i, hf_layer).items() if v is not None}
+    with tp.local_config(model) if tp is not None else nullcontext():
+        for i, hf_layer in enumerate(layers):
+            specs.append(policy.layer_spec(model, i, hf_layer))
+            maps.append({k: as_source(v) for k, v in policy.weight_map(model, i, hf_layer).items() if v is not None})
+    for i, (hf_layer, wmap) in enumerate(zip(layers, maps)):
         for fused_name, src in wmap.items():
             for n in src.names():
                 try:
@@ -217,8 +223,15 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
                         f"{type(policy).__name__}.weight_map: {fused_name!r} reads {n!r}, which layer {i} "
                         f"({type(hf_layer).__name__}) does not have"
                     ) from e
-        maps.append(wmap)
     prefix = _layers_prefix(model, layers)
+    if tp is not None:
+        reason = tp.check(prefix, layers, specs, maps)
+        if reason:
+            warn_once(
+                f"replace_with_kernel_inject=True with tensor parallelism: {arch} keeps HF's modules split by AutoTP "
+                f"(output is HF's) because {reason}."
+            )
+            return model
 
     for i, hf_layer in enumerate(layers):
         params: dict[str, nn.Parameter] = {}
@@ -237,7 +250,7 @@ def inject(model: nn.Module, cfg: Any) -> nn.Module:
             else:
                 params[fused_name] = nn.Parameter(tensor, requires_grad=False)
             (shared if src.shares() and not owned else copied).update(src.names())
-        layers[i] = FusedDecoderLayer.from_params(specs[i], i, params)
+        layers[i] = FusedDecoderLayer.from_params(specs[i], i, params, tp.reduce if tp is not None else None)
         _release(hf_layer, copied - shared)  # one layer at a time: peak memory grows by one layer, not a model
         del hf_layer, params
 

@@ -1,0 +1,110 @@
+"""What tensor parallelism did to an HF model before kernel injection, and the checks that let fused layers take over.
+
+The integration layer first splits the HF modules with AutoTP (``hf_dsinfer.parallel``: q/k/v and gate/up
+column-parallel by KV-head groups, output projections row-parallel, vocab-parallel embedding and head), then injects.
+Packing the already-split HF weights gives each rank's slice of the fused tensors in the fused layouts, because
+AutoTP splits fused checkpoints (phi3's ``qkv_proj``, falcon's and neox's ``query_key_value``) part by part. What the
+fused layers still need is told here: the local head counts (for the spec, the packing and the static KV cache) and
+the all-reduce of the row-parallel ``attn.o`` / ``mlp.down``. This module knows nothing of ``hf_dsinfer.parallel``:
+the integration layer fills :class:`TPLayout` from the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import Source
+
+# Fused weights and how AutoTP must have split the HF modules they are packed from.
+_ROW = ("attn.o.weight", "mlp.down.weight")
+_COLUMN = ("attn.qkv.weight", "mlp.up.weight")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """One rank's view of a tensor-parallel model, as kernel injection needs it.
+
+    ``heads``: attention output projection (module path) -> ``(local q heads, local kv heads)``. ``row_parallel`` /
+    ``column_parallel``: module paths AutoTP split by input / output features. ``reduce``: the in-place sum over
+    the ranks (row-parallel linears apply it before their bias).
+    """
+
+    heads: dict[str, tuple[int, int]]
+    row_parallel: frozenset[str]
+    column_parallel: frozenset[str]
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    @contextmanager
+    def local_config(self, model: nn.Module) -> Iterator[None]:
+        """While policies read specs and weight maps, ``model.config`` carries this rank's head counts.
+
+        Policies read head counts from the config or from the attention modules (which AutoTP already rewrote), so
+        both agree on the local numbers; the global config is restored afterwards.
+        """
+        counts = set(self.heads.values())
+        if len(counts) != 1:  # no attention found, or layers split differently: check() explains and we fall back
+            yield
+            return
+        heads, kv = counts.pop()
+        local = copy.copy(model.config)
+        local.num_attention_heads = heads
+        for key in ("num_key_value_heads", "num_kv_heads"):
+            if getattr(local, key, None) is not None:
+                setattr(local, key, kv)
+        original = model.config
+        model.config = local
+        try:
+            yield
+        finally:
+            model.config = original
+
+    def check(self, prefix: str, layers: nn.ModuleList, specs: list, maps: list[dict[str, Source]]) -> str | None:
+        """Why the fused layers cannot take over this split (a reason for the fallback warning), or None.
+
+        Reads no weight values: the packed qkv shape is worked out on the meta device.
+        """
+        for i, (hf_layer, spec, wmap) in enumerate(zip(layers, specs, maps)):
+            reason = self._check_layer(i, f"{prefix}.{i}", hf_layer, spec, wmap)
+            if reason:
+                return reason
+        return None
+
+    def _check_layer(self, i: int, path: str, hf_layer: nn.Module, spec: Any, wmap: dict[str, Source]) -> str | None:
+        for name in _ROW:
+            if not _modules(path, wmap, name) or not _modules(path, wmap, name) <= self.row_parallel:
+                return f"{name} of layer {i} is not packed from a row-parallel (input-split) module"
+        for name in _COLUMN:
+            if not _modules(path, wmap, name) or not _modules(path, wmap, name) <= self.column_parallel:
+                return f"{name} of layer {i} is not packed from column-parallel (output-split) modules"
+        fused_rows = set().union(*(_modules(path, wmap, n) for n in _ROW))
+        stray = sorted(m for m in self.row_parallel if m.startswith(path + ".") and m not in fused_rows)
+        if stray:
+            return f"layer {i} has row-parallel modules the fused layer does not reduce: {', '.join(stray)}"
+        (o_proj,) = _modules(path, wmap, "attn.o.weight")
+        local = self.heads.get(o_proj)
+        a = spec.attention
+        if local != (a.num_heads, a.num_kv_heads):
+            return (
+                f"layer {i}'s policy reports {a.num_heads} q / {a.num_kv_heads} kv heads on this rank but the "
+                f"split keeps {local}"
+            )
+        rows = wmap["attn.qkv.weight"].pack(lambda n: hf_layer.get_parameter(n).to("meta")).shape[0]
+        if rows != (a.num_heads + 2 * a.num_kv_heads) * a.head_dim:
+            return (
+                f"layer {i}'s split qkv has {rows} rows, not ({a.num_heads} + 2 * {a.num_kv_heads}) * "
+                f"{a.head_dim} for the local heads"
+            )
+        return None
+
+
+def _modules(layer_path: str, wmap: dict[str, Source], fused_name: str) -> set[str]:
+    """Module paths of the HF parameters fused tensor ``fused_name`` of one layer is packed from."""
+    src = wmap.get(fused_name)
+    return {f"{layer_path}.{n.rpartition('.')[0]}" for n in src.names()} if src is not None else set()
