@@ -8,10 +8,9 @@ so the remaining differences are transcendental-function ulps.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_tensor
+from ._triton import tl, triton
 from .backend import use_triton
 from .norms import cast_rne, needs_bf16_fix
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .prefill_attention import _dot, _tanh, check_attention_args, masked_attention_torch
 

@@ -10,10 +10,9 @@ A row with no real token returns zeros. No KV cache is involved: encoders see th
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
+from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .prefill_attention import _dot
 

@@ -8,10 +8,9 @@ sequence starts at slot 0 whatever its padding. Token ``t`` of row ``b`` (``t >=
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
+from ._triton import tl, triton
 from .backend import use_triton
 
 __all__ = ["store_kv", "store_kv_torch", "store_kv_triton"]

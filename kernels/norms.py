@@ -17,10 +17,9 @@ rounded sum is both returned and normalized.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 
 __all__ = ["layer_norm", "layer_norm_torch", "layer_norm_triton", "rms_norm", "rms_norm_torch", "rms_norm_triton"]

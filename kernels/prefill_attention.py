@@ -8,10 +8,9 @@ row ``b`` (``t >= start[b]``) sits at position ``p = cache_lens[b] + t - start[b
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
+from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 
 __all__ = ["prefill_attention", "prefill_attention_torch", "prefill_attention_triton"]

@@ -13,10 +13,9 @@ untouched (partial rotary). Math in fp32, results stored in q's / k's dtype.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
+from ._triton import tl, triton
 from .backend import use_triton
 from .norms import cast_rne, needs_bf16_fix
 
