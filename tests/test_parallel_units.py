@@ -171,17 +171,23 @@ def _layout_for(model, drop_row: str | None = None):
 
     plan = autotp.build_plan(model, 2, 0)  # which modules are row / column parallel; the model itself stays whole
     rows = frozenset(r for r in plan.row_parallel if r != drop_row)
-    heads = {row: (model.config.num_attention_heads, model.config.num_key_value_heads) for row in plan.local_heads}
+    h = model.config.num_attention_heads
+    kv = getattr(model.config, "num_key_value_heads", None) or h
+    heads = {row: (h, kv) for row in plan.local_heads}
     return TPLayout(heads=heads, row_parallel=rows, column_parallel=frozenset(plan.column_parallel), reduce=lambda t: t)
 
 
+@pytest.mark.parametrize("name, reduces_per_layer", [("llama", 2), ("gpt_neox", 1)])
 @torch.no_grad()
-def test_fused_layers_take_a_tp_layout_and_reduce_in_o_and_down():
-    """With a layout whose reduce is the identity (one rank), injection builds row-parallel o/down and equals HF."""
+def test_fused_layers_take_a_tp_layout_and_reduce_in_o_and_down(name, reduces_per_layer):
+    """With a layout whose reduce is the identity (one rank), injection builds row-parallel o/down and equals HF.
+
+    Pre-norm blocks reduce after attention and after the MLP; parallel-residual blocks (neox) reduce once.
+    """
     from hf_dsinfer.policies import get_injection, inject
 
-    ref = build_tiny("llama").eval()
-    model = build_tiny("llama").eval()
+    ref = build_tiny(name).eval()
+    model = build_tiny(name).eval()
     model.load_state_dict(ref.state_dict())
     calls = []
     layout = _layout_for(model)
@@ -192,7 +198,7 @@ def test_fused_layers_take_a_tp_layout_and_reduce_in_o_and_down():
     assert layer.attn.qkv.reduce is None and layer.mlp.up.reduce is None
     ids = torch.tensor([[5, 9, 14, 3, 7]])
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2 * model.config.num_hidden_layers  # one all-reduce per block half
+    assert len(calls) == reduces_per_layer * model.config.num_hidden_layers
 
 
 def test_tp_layout_mismatch_falls_back_with_one_warning(caplog):

@@ -113,7 +113,8 @@ class FusedAttention(nn.Module):
         self.q_norm = q_norm
         self.k_norm = k_norm
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, defer_reduce: bool = False) -> torch.Tensor:
+        """``x [B, T, C] -> [B, T, C]``; ``defer_reduce``: see :meth:`Linear.forward` (``o``)."""
         s = self.spec
         B, T, _ = x.shape
         Hq, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -128,7 +129,7 @@ class FusedAttention(nn.Module):
             if ctx.key_lens is None:
                 raise RuntimeError("non-causal attention needs StepContext.key_lens (real tokens per row)")
             out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
-            return self.o(out.reshape(B, T, Hq * D))
+            return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
@@ -146,7 +147,7 @@ class FusedAttention(nn.Module):
                 sliding_window=s.sliding_window,
                 softcap=s.softcap,
             )  # [B, T, Hq, D]
-        return self.o(out.reshape(B, T, Hq * D))  # [B, T, C]
+        return self.o(out.reshape(B, T, Hq * D), defer_reduce)  # [B, T, C]
 
     def extra_repr(self) -> str:
         s = self.spec

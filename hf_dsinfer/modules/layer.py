@@ -134,6 +134,15 @@ class FusedDecoderLayer(nn.Module):
             h, residual = self.attn_norm(hidden, residual)  # [B, T, C] each
         if style == "parallel":
             h_mlp = self.mlp_norm(residual) if self.mlp_norm is not None else h
+            o, down = self.attn.o, self.mlp.down
+            if o.reduce is not None and down.reduce is not None:
+                # Tensor parallel: the branches' partial sums add before the reduce, so one all-reduce serves both;
+                # the biases are added once, after it.
+                out = o.reduce(self.attn(h, ctx, defer_reduce=True) + self.mlp(h_mlp, defer_reduce=True))
+                for bias in (o.bias, down.bias):
+                    if bias is not None:
+                        out = out + bias
+                return out, residual
             return self.attn(h, ctx) + self.mlp(h_mlp), residual
 
         a = self.attn(h, ctx)

@@ -56,10 +56,16 @@ class Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+        """``x [..., in] -> [..., out]``. ``defer_reduce`` (row-parallel only): return this rank's partial product
+        without reducing and without the bias; the caller sums partials of several linears, reduces once and adds
+        each bias (a parallel-residual block does this)."""
         if self.reduce is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.reduce(F.linear(x, self.weight))  # partial sums [..., out] -> full sums on every rank
+        y = F.linear(x, self.weight)  # this rank's partial sums [..., out]
+        if defer_reduce:
+            return y
+        y = self.reduce(y)  # full sums on every rank
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -54,13 +54,14 @@ class FusedMLP(nn.Module):
         self.up = up
         self.down = down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+        """``x [B, T, C] -> [B, T, C]``; ``defer_reduce``: see :meth:`Linear.forward` (``down``)."""
         h = self.up(x)  # [B, T, 2I] gated, [B, T, I] plain
         if self.spec.gated:
             h = act_and_mul(h, self.spec.activation)  # [B, T, I]
         else:
             h = _plain_activation(h, self.spec.activation)
-        return self.down(h)  # [B, T, C]
+        return self.down(h, defer_reduce)  # [B, T, C]
 
     def extra_repr(self) -> str:
         return f"gated={self.spec.gated}, activation={self.spec.activation}"
