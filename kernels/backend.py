@@ -13,18 +13,15 @@ import os
 
 import torch
 
+from ._triton import AVAILABLE
+
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "HF_DSINFER_BACKEND"
 
 
-@functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
-    """True when ``import triton`` works (Linux wheels only)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when ``import triton`` works (Linux wheels only; see ``_triton.py`` for the stand-in elsewhere)."""
+    return AVAILABLE
 
 
 def interpreter_enabled() -> bool:

@@ -73,12 +73,7 @@ def store_kv_torch(
     S = k_cache.shape[2]
     if T == 1 and not bool(start.any()):
         slot = cache_lens.long()  # [B]: the one new token of each row
-        lo, hi = (int(x) for x in torch.aminmax(slot))
-        if hi >= S or lo < 0:
-            raise ValueError(
-                f"store_kv would write cache slot {hi} (or below 0) but the cache holds S={S} slots; "
-                "check cache_lens/start or allocate a longer cache"
-            )
+        _check_slots(slot, S)
         rows = torch.arange(B, device=k.device)
         k_cache[rows, :, slot] = k[:, 0].to(k_cache.dtype)  # [B, Hk, D] into k_cache[b, :, slot[b]]
         v_cache[rows, :, slot] = v[:, 0].to(v_cache.dtype)
@@ -89,14 +84,21 @@ def store_kv_torch(
     # nonzero() syncs once; that also pays for the bounds check below.
     b_idx, t_idx = keep.nonzero(as_tuple=True)
     s_idx = slots[b_idx, t_idx]
-    if s_idx.numel() and (int(s_idx.max()) >= S or int(s_idx.min()) < 0):
-        raise ValueError(
-            f"store_kv would write cache slot {int(s_idx.max())} (or below 0) but the cache holds S={S} slots; "
-            "check cache_lens/start or allocate a longer cache"
-        )
+    _check_slots(s_idx, S)
     # Advanced indices split by a slice put the index dim first: k_cache[b, :, s] is [n, Hk, D].
     k_cache[b_idx, :, s_idx] = k[b_idx, t_idx].to(k_cache.dtype)
     v_cache[b_idx, :, s_idx] = v[b_idx, t_idx].to(v_cache.dtype)
+
+
+def _check_slots(slots: torch.Tensor, S: int) -> None:
+    """Raise when a cache slot index in ``slots`` falls outside ``[0, S)`` (one host sync)."""
+    if slots.numel():
+        lo, hi = (int(x) for x in torch.aminmax(slots))
+        if hi >= S or lo < 0:
+            raise ValueError(
+                f"store_kv would write cache slot {hi} (or below 0) but the cache holds S={S} slots; "
+                "check cache_lens/start or allocate a longer cache"
+            )
 
 
 @triton.jit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -165,16 +167,22 @@ def test_checkpoint_description_is_checked(tmp_path):
 # -- fused layers on a split model (the 2-rank runs are in test_parallel.py) -----------------------------------------
 
 
-def _layout_for(model, drop_row: str | None = None):
-    """A TPLayout naming the modules AutoTP splits in ``model`` but keeping every head (as on a single rank)."""
+def _layout_for(model, drop_row: str | None = None, heads: tuple[int, int] | None = None):
+    """A TPLayout naming the modules AutoTP splits in ``model`` but keeping every head (as on a single rank), or
+    claiming ``heads`` per rank (config included, as the integration layer builds it) while the weights stay whole."""
     from hf_dsinfer.policies import TPLayout
 
     plan = autotp.build_plan(model, 2, 0)  # which modules are row / column parallel; the model itself stays whole
     rows = frozenset(r for r in plan.row_parallel if r != drop_row)
     h = model.config.num_attention_heads
-    kv = getattr(model.config, "num_key_value_heads", None) or h
-    heads = {row: (h, kv) for row in plan.local_heads}
-    return TPLayout(heads=heads, row_parallel=rows, column_parallel=frozenset(plan.column_parallel), reduce=lambda t: t)
+    heads = heads or (h, getattr(model.config, "num_key_value_heads", None) or h)
+    return TPLayout(
+        heads={row: heads for row in plan.local_heads},
+        row_parallel=rows,
+        column_parallel=frozenset(plan.column_parallel),
+        reduce=lambda t: t,
+        config=autotp.local_head_config(model.config, *heads),
+    )
 
 
 @pytest.mark.parametrize("name, reduces_per_layer", [("llama", 2), ("gpt_neox", 1)])
@@ -190,8 +198,7 @@ def test_fused_layers_take_a_tp_layout_and_reduce_in_o_and_down(name, reduces_pe
     model = build_tiny(name).eval()
     model.load_state_dict(ref.state_dict())
     calls = []
-    layout = _layout_for(model)
-    layout = type(layout)(layout.heads, layout.row_parallel, layout.column_parallel, lambda t: calls.append(1) or t)
+    layout = dataclasses.replace(_layout_for(model), reduce=lambda t: calls.append(1) or t)
     inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=layout)
     layer = get_injection(model).runtime.layers[0]
     assert layer.attn.o.reduce is not None and layer.mlp.down.reduce is not None
@@ -213,8 +220,7 @@ def test_tp_layout_mismatch_falls_back_with_one_warning(caplog):
         inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=layout)
     assert not is_injected(model)
     assert "keeps HF's modules split by AutoTP" in caplog.text and "mlp.down.weight of layer 0" in caplog.text
-    wrong = _layout_for(model)
-    wrong.heads.update({k: (1, 1) for k in wrong.heads})
+    wrong = _layout_for(model, heads=(1, 1))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
         inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=wrong)

@@ -77,14 +77,20 @@ def tp_layout(model: nn.Module):
         return None
     from ..parallel import all_reduce_
     from ..parallel.apply import GROUP_ATTR, PLAN_ATTR
+    from ..parallel.autotp import local_head_config
     from ..policies import TPLayout
 
     plan, group = getattr(model, PLAN_ATTR), getattr(model, GROUP_ATTR)
+    counts = set(plan.local_heads.values())
+    # One local head count for every layer is what AutoTP produces; otherwise policies keep the global config and
+    # TPLayout.check explains the mismatch (HF's split modules stay).
+    config = local_head_config(model.config, *counts.pop()) if len(counts) == 1 else None
     return TPLayout(
         heads=dict(plan.local_heads),
         row_parallel=frozenset(plan.row_parallel),
         column_parallel=frozenset(plan.column_parallel),
         reduce=lambda t: all_reduce_(t, group),
+        config=config,
     )
 
 

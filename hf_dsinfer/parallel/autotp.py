@@ -223,9 +223,11 @@ def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], part: Hea
         if edits:
             plan.attrs[path] = edits
         if getattr(module, "config", None) is not None and _forward_reads_config_heads(module):
-            plan.config_overrides[path] = {
-                "num_attention_heads": local["heads"], "num_key_value_heads": local["kv"], "num_kv_heads": local["kv"]
-            }
+            plan.config_overrides[path] = _head_overrides(local["heads"], local["kv"])
+
+
+def _head_overrides(heads: int, kv: int) -> dict[str, int]:
+    return {"num_attention_heads": heads, "num_key_value_heads": kv, "num_kv_heads": kv}
 
 
 def _forward_reads_config_heads(module: nn.Module) -> bool:
@@ -368,4 +370,9 @@ def local_config(config: Any, overrides: dict[str, int]) -> Any:
     return out
 
 
-__all__ = ["TPPlan", "build_plan", "find_blocks", "is_linear", "is_norm", "local_config"]
+def local_head_config(config: Any, heads: int, kv: int) -> Any:
+    """A shallow copy of ``config`` with ``heads`` query and ``kv`` key/value heads, spelled every way configs do."""
+    return local_config(config, _head_overrides(heads, kv))
+
+
+__all__ = ["TPPlan", "build_plan", "find_blocks", "is_linear", "is_norm", "local_config", "local_head_config"]

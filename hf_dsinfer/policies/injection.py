@@ -238,13 +238,9 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         copied: set[str] = set()
         shared: set[str] = set()
         for fused_name, src in maps[i].items():
-            tensor = src.pack(hf_layer.get_parameter)
-            if fused_name in LINEAR_WEIGHTS:
-                laid = gemm_layout(tensor)  # CPU: K-major copy (a shared HF weight becomes a copy too)
-                owned = laid is not tensor
-                tensor = laid
-            else:
-                owned = False
+            packed = src.pack(hf_layer.get_parameter)
+            tensor = gemm_layout(packed) if fused_name in LINEAR_WEIGHTS else packed
+            owned = tensor is not packed  # CPU: a K-major copy, so even a shared HF weight can be freed
             if isinstance(tensor, nn.Parameter):
                 params[fused_name] = tensor
             else:

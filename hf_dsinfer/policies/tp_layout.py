@@ -11,7 +11,6 @@ the integration layer fills :class:`TPLayout` from the plan.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,33 +32,28 @@ class TPLayout:
 
     ``heads``: attention output projection (module path) -> ``(local q heads, local kv heads)``. ``row_parallel`` /
     ``column_parallel``: module paths AutoTP split by input / output features. ``reduce``: the in-place sum over
-    the ranks (row-parallel linears apply it before their bias).
+    the ranks (row-parallel linears apply it before their bias). ``config``: the model config with this rank's head
+    counts (None: keep the model's own).
     """
 
     heads: dict[str, tuple[int, int]]
     row_parallel: frozenset[str]
     column_parallel: frozenset[str]
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    config: Any = None
 
     @contextmanager
     def local_config(self, model: nn.Module) -> Iterator[None]:
-        """While policies read specs and weight maps, ``model.config`` carries this rank's head counts.
+        """While policies read specs and weight maps, ``model.config`` is :attr:`config` (this rank's head counts).
 
         Policies read head counts from the config or from the attention modules (which AutoTP already rewrote), so
         both agree on the local numbers; the global config is restored afterwards.
         """
-        counts = set(self.heads.values())
-        if len(counts) != 1:  # no attention found, or layers split differently: check() explains and we fall back
+        if self.config is None:
             yield
             return
-        heads, kv = counts.pop()
-        local = copy.copy(model.config)
-        local.num_attention_heads = heads
-        for key in ("num_key_value_heads", "num_kv_heads"):
-            if getattr(local, key, None) is not None:
-                setattr(local, key, kv)
         original = model.config
-        model.config = local
+        model.config = self.config
         try:
             yield
         finally:
@@ -77,17 +71,18 @@ class TPLayout:
         return None
 
     def _check_layer(self, i: int, path: str, hf_layer: nn.Module, spec: Any, wmap: dict[str, Source]) -> str | None:
+        sources = {name: _modules(path, wmap, name) for name in _ROW + _COLUMN}
         for name in _ROW:
-            if not _modules(path, wmap, name) or not _modules(path, wmap, name) <= self.row_parallel:
+            if not sources[name] or not sources[name] <= self.row_parallel:
                 return f"{name} of layer {i} is not packed from a row-parallel (input-split) module"
         for name in _COLUMN:
-            if not _modules(path, wmap, name) or not _modules(path, wmap, name) <= self.column_parallel:
+            if not sources[name] or not sources[name] <= self.column_parallel:
                 return f"{name} of layer {i} is not packed from column-parallel (output-split) modules"
-        fused_rows = set().union(*(_modules(path, wmap, n) for n in _ROW))
+        fused_rows = sources[_ROW[0]] | sources[_ROW[1]]
         stray = sorted(m for m in self.row_parallel if m.startswith(path + ".") and m not in fused_rows)
         if stray:
             return f"layer {i} has row-parallel modules the fused layer does not reduce: {', '.join(stray)}"
-        (o_proj,) = _modules(path, wmap, "attn.o.weight")
+        (o_proj,) = sources["attn.o.weight"]
         local = self.heads.get(o_proj)
         a = spec.attention
         if local != (a.num_heads, a.num_kv_heads):
