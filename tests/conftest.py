@@ -14,6 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+# hf_dsinfer logs through transformers' library logger, which does not propagate to the root logger by default:
+# let records reach pytest's caplog handler.
+hf_logging.enable_propagation()
 
 
 def pytest_collection_modifyitems(config, items):

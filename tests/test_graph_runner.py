@@ -11,6 +11,7 @@ import torch
 
 from hf_dsinfer import InferenceConfig
 from hf_dsinfer.generation.graph_runner import GraphRunner, StaticInput, batch_buckets, default_batch_buckets
+from hf_dsinfer.log import LOGGER_NAME
 
 
 class Recorder:
@@ -88,7 +89,7 @@ def test_eager_above_largest_bucket(caplog):
     step = Recorder()
     r = _runner(step, buckets=(1, 2))
     x, y = torch.randn(5, 3), torch.zeros(5, 1, dtype=torch.long)
-    with caplog.at_level("INFO", logger="hf_dsinfer"):
+    with caplog.at_level("INFO", logger=LOGGER_NAME):
         out = r(x=x, y=y)
         r(x=x, y=y)
     torch.testing.assert_close(out, x * 2)

@@ -20,6 +20,7 @@ from tolerances import MODEL_LOGITS_TOL
 from transformers import DynamicCache
 
 import hf_dsinfer  # noqa: F401
+from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.policies import get_injection, is_injected
 from hf_dsinfer.policies.runtime import InjectedCache
 
@@ -140,7 +141,7 @@ def test_unsupported_inputs_raise_naming_the_argument(saved):
 def test_batch_above_max_batch_size_reallocates(saved, caplog):
     ref, opt = _pair(saved("llama"), max_batch_size=1)
     ids, mask = left_pad(prompts())
-    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         g = opt(input_ids=ids, attention_mask=mask)
     assert "max_batch_size=1" in caplog.text
     assert get_injection(opt).runtime.cache.allocated_rows == 3
@@ -236,10 +237,10 @@ def test_architecture_without_policy_warns_once_and_matches_hf(tmp_path, caplog,
     torch.manual_seed(0)
     transformers.T5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
     ref = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         opt = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, inference_config=INJECT).eval()
         opt2 = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, inference_config=INJECT).eval()
-    warnings = [r for r in caplog.records if r.name == "hf_dsinfer" and "no kernel-injection policy" in r.message]
+    warnings = [r for r in caplog.records if r.name == LOGGER_NAME and "no kernel-injection policy" in r.message]
     assert len(warnings) == 1 and "t5" in warnings[0].message
     assert not is_injected(opt) and not is_injected(opt2)
     ids = torch.tensor([[5, 6, 7, 8]])

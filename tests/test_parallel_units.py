@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 import hf_dsinfer
 from hf_dsinfer import parallel
+from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.parallel import autotp
 from hf_dsinfer.parallel.shard import HeadPartition, Shard, concat_layout, grouped_layout, select, split_units
 
@@ -216,12 +217,12 @@ def test_tp_layout_mismatch_falls_back_with_one_warning(caplog):
 
     model = build_tiny("llama").eval()
     layout = _layout_for(model, drop_row="model.layers.0.mlp.down_proj")
-    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=layout)
     assert not is_injected(model)
     assert "keeps HF's modules split by AutoTP" in caplog.text and "mlp.down.weight of layer 0" in caplog.text
     wrong = _layout_for(model, heads=(1, 1))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         inject(model, hf_dsinfer.InferenceConfig(dtype="fp32", replace_with_kernel_inject=True), tp=wrong)
     assert not is_injected(model) and "split qkv has" in caplog.text

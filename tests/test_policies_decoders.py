@@ -15,6 +15,7 @@ import torch
 from tiny_models import PAD, build_tiny, prompts
 
 import hf_dsinfer.policies.injection as injection
+from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.policies import hf_state_dict, inject, is_injected
 
 
@@ -100,7 +101,7 @@ def test_unsupported_config_keeps_hf_modules_with_one_warning(name, caplog, monk
     monkeypatch.setattr(injection, "_WARNED", set())
     overrides, reason = FALLBACKS[name]
     ids = torch.tensor([prompts()[0]])
-    with caplog.at_level(logging.WARNING, logger="hf_dsinfer"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         for _ in range(2):
             model = build_tiny(name, **overrides)
             expect = model(ids).logits

@@ -9,16 +9,14 @@ advance (a replayed graph cannot run Python).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..log import logger
 from ..modules import StepContext
 from .graph_runner import GraphRunner, StaticInput, batch_buckets
-
-logger = logging.getLogger("hf_dsinfer")
 
 
 class DecodeStep:

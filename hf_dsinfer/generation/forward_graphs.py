@@ -14,7 +14,6 @@ check.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..log import logger
 from .graph_runner import batch_buckets
-
-logger = logging.getLogger("hf_dsinfer")
 
 SEQ_MULTIPLE = 32
 MAX_GRAPHS = 32

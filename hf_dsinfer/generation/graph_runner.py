@@ -17,14 +17,13 @@ so state it mutates (a KV cache) must be reset by the caller after :meth:`GraphR
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("hf_dsinfer")
+from ..log import logger
 
 StepOutput = torch.Tensor | tuple[torch.Tensor, ...]
 

@@ -14,17 +14,15 @@ past the true end are undone (tokens trimmed, cache lengths rolled back), so the
 from __future__ import annotations
 
 import contextvars
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from ..log import logger
 from .processors import DecodePlan, StepProcessor, plan_decoding
 from .stats import StepTimer, forward_marks
-
-logger = logging.getLogger("hf_dsinfer")
 
 # model kwargs transformers prepares for a decoder-only model that the fast loop understands
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",

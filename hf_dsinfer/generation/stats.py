@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger("hf_dsinfer")
+from ..log import logger
 
 STATS_ATTR = "_dsinfer_last_stats"
 _LAST: list[GenerateStats] = []  # the process-wide last stats (one slot)

@@ -16,7 +16,6 @@ The engine's timings are added to the Trainer's logs under ``hybrid/...`` (``on_
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from torch import nn
@@ -24,8 +23,6 @@ from transformers import TrainerCallback
 
 from .engine import HybridEngine
 from .weights import unwrap_training_model
-
-logger = logging.getLogger("hf_dsinfer")
 
 _MISSING = object()
 

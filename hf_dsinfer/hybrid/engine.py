@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -26,8 +25,6 @@ from torch import nn
 from ..policies import get_injection, inject
 from .stats import HybridStats
 from .weights import TrainingWeights
-
-logger = logging.getLogger("hf_dsinfer")
 
 _OPTIMIZER_STEPS = [0]  # process-wide count of optimizer steps (a global post-step hook bumps it)
 _HOOK: list[Any] = []

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 from torch import nn
 
+from ..log import logger
 from .config import InferenceConfig
-
-logger = logging.getLogger("hf_dsinfer")
 
 CONFIG_ATTR = "_dsinfer_config"
 

@@ -12,12 +12,11 @@ a continuing sequence never changes its batch.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-logger = logging.getLogger("hf_dsinfer")
+from ..log import logger
 
 
 def _device_free_bytes(device: torch.device) -> int | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import logging
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..log import logger
 from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
@@ -20,7 +20,6 @@ from .tp_layout import TPLayout
 
 INJECTION_ATTR = "_dsinfer_injection"
 
-logger = logging.getLogger("hf_dsinfer")
 _WARNED: set[str] = set()
 
 

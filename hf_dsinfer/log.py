@@ -1,0 +1,21 @@
+"""hf_dsinfer's logger: a child of transformers' library logger.
+
+``transformers.logging.set_verbosity_*()`` and ``TRANSFORMERS_VERBOSITY`` govern it, and its records go through
+transformers' handler. Every module logs through ``from hf_dsinfer.log import logger`` (or ``get_logger()``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers.utils import logging as hf_logging
+
+LOGGER_NAME = "transformers.hf_dsinfer"
+
+
+def get_logger() -> logging.Logger:
+    """The ``transformers.hf_dsinfer`` logger (transformers' root library logger configured first)."""
+    return hf_logging.get_logger(LOGGER_NAME)
+
+
+logger = get_logger()
