@@ -53,6 +53,9 @@ ARCHITECTURES: dict[str, Arch] = {
         ),
         notes="sliding window every other layer, soft-capping, extra norms",
     ),
+    "gemma": Arch(
+        "gemma", dict(_DECODER, num_key_value_heads=2, head_dim=16), notes="(1 + w) norms, embedding scale, gelu_tanh"
+    ),
     "gpt2": Arch(
         "gpt2", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136), notes="Conv1D"
     ),

@@ -5,6 +5,8 @@ from __future__ import annotations
 # Architectures proven by the fidelity table (tests/test_fidelity.py), by model_type.
 TESTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2", "gpt_neox", "opt", "falcon", "bert",
+    # issue 17's families
+    "gemma",
 )
 
 

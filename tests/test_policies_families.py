@@ -1,0 +1,91 @@
+"""The families added for issue 17 (gemma, olmo2, granite, starcoder2, gptj, ...) beyond the fidelity table.
+
+The fidelity table (``tests/test_fidelity.py``) proves each row against HF eager through ``from_pretrained``. Here,
+per row: the save path (``hf_state_dict`` gives back HF's exact names and values, so ``save_pretrained`` of an
+injected model reloads anywhere), config variants the rows do not cover, and the variants a policy does not fuse,
+which must keep HF's modules with exactly one warning naming the variant.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from tiny_models import PAD, build_tiny, prompts
+
+import hf_dsinfer.policies.injection as injection
+from hf_dsinfer.log import LOGGER_NAME
+from hf_dsinfer.policies import hf_state_dict, inject, is_injected
+
+
+class Cfg:
+    max_out_tokens, max_batch_size, injection_policy = 64, 4, None
+
+
+# The fidelity rows this file covers; each gets the save-path check.
+ROWS = ["gemma"]
+
+# Config variants the rows do not cover: (row, overrides), compared with HF like a row.
+VARIANTS: dict[str, tuple[str, dict]] = {}
+
+# Variants a policy does not fuse: (row, overrides, text the warning must contain).
+FALLBACKS: dict[str, tuple[str, dict, str]] = {
+    "gemma-quick-gelu": ("gemma", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
+}
+
+
+def _pair(name: str, overrides: dict):
+    reference = build_tiny(name, **overrides)
+    fused = inject(copy.deepcopy(reference), Cfg())
+    return reference, fused
+
+
+def _greedy(model, ids, mask, n=6):
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=PAD
+    )
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("name", ROWS)
+@torch.no_grad()
+def test_saved_state_dict_is_plain_hf(name):
+    reference, fused = _pair(name, {})
+    assert is_injected(fused)
+    ref_sd, got_sd = reference.state_dict(), hf_state_dict(fused)
+    assert set(got_sd) == set(ref_sd)
+    for key, value in ref_sd.items():
+        assert torch.equal(got_sd[key], value), key
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@torch.no_grad()
+def test_variant_matches_hf(variant):
+    name, overrides = VARIANTS[variant]
+    reference, fused = _pair(name, overrides)
+    assert is_injected(fused)
+    batch = prompts()
+    ids = torch.tensor([batch[1]])
+    mask = torch.ones_like(ids)
+    torch.testing.assert_close(
+        fused(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits, atol=1e-4, rtol=1e-4
+    )
+    assert torch.equal(_greedy(fused, ids, mask), _greedy(reference, ids, mask))
+
+
+@pytest.mark.parametrize("variant", list(FALLBACKS))
+@torch.no_grad()
+def test_unfused_variant_keeps_hf_modules_with_one_warning(variant, caplog, monkeypatch):
+    monkeypatch.setattr(injection, "_WARNED", set())
+    name, overrides, reason = FALLBACKS[variant]
+    ids = torch.tensor([prompts()[0]])
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        for _ in range(2):
+            model = build_tiny(name, **overrides)
+            expect = model(ids).logits
+            assert inject(model, Cfg()) is model and not is_injected(model)
+            torch.testing.assert_close(model(ids).logits, expect, atol=0, rtol=0)
+    warnings = [r.getMessage() for r in caplog.records if "keeps HF's own modules" in r.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0], warnings
