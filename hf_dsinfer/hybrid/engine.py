@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
+from ..generation.loop import check_capacity
 from ..policies import get_injection, inject
 from .stats import HybridStats
 from .weights import TrainingWeights
@@ -58,7 +60,9 @@ def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], t
     from ..integration.config import InferenceConfig
 
     if isinstance(inference_config, InferenceConfig):
-        return InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
+        config = InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
+        config.resolve_dtype(training_dtype)  # dtype="auto" (the default): the training weights' dtype, as for a dict
+        return config
     if isinstance(inference_config, (str, os.PathLike)):
         with open(inference_config) as f:
             inference_config = json.load(f)
@@ -87,6 +91,10 @@ class HybridEngine:
             tracked change happened (an optimizer step, an in-place update of a parameter, a change of active LoRA
             adapters). Writes through ``.data`` are not tracked: call :meth:`mark_dirty` after them.
         device: where the inference copy lives (default: the training weights' device).
+        sampling: ``"fast"`` (default) samples in hf_dsinfer's loop: the same distribution as HF's ``generate`` but
+            its own random stream (see docs/hybrid.md). ``"hf"`` runs sampled requests through transformers' own
+            loop on the inference copy (fused layers, static cache): HF's processors and draws from torch's global
+            RNG in HF's order, so a seeded rollout reproduces HF ``generate``. Greedy requests always use the fast loop.
 
     ``he.eval(); he.generate(...); he.train()``, or ``with he.inference(): he.generate(...)``. ``he.stats`` holds
     per-iteration timings (:class:`~hf_dsinfer.hybrid.stats.HybridStats`).
@@ -99,10 +107,17 @@ class HybridEngine:
         release_inference_cache: bool = False,
         refresh: str = "always",
         device: torch.device | str | None = None,
+        sampling: str = "fast",
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
             raise ValueError(f"refresh={refresh!r}: use 'always' or 'auto'")
+        if sampling not in ("fast", "hf"):
+            raise ValueError(
+                f"sampling={sampling!r}: use 'fast' (hf_dsinfer's loop, same distribution as HF) or 'hf' "
+                "(transformers' sampling loop on the inference copy: HF's random stream, rollouts reproducible vs HF)"
+            )
+        self.sampling = sampling
         self.training_model = model
         self.weights = TrainingWeights(model)
         first = _first_param(self.weights.hf_model)
@@ -167,6 +182,11 @@ class HybridEngine:
         setattr(infer, CONFIG_ATTR, self.config)
         if self.config.replace_with_kernel_inject:
             infer = inject(infer, self.config)  # no policy: one warning, the copy keeps HF's modules (still correct)
+        # hf_dsinfer's decoding loop (and, with enable_cuda_graph on CUDA, the per-bucket decode graphs), exactly as
+        # on a model loaded with an inference config. The graphs read the parameters refreshed in place below.
+        from ..generation import install_generate
+
+        install_generate(infer, self.config, get_injection(infer))
         self._plan(infer)
         self._refresh(infer)
         self._fingerprint = self._current_fingerprint()
@@ -312,10 +332,13 @@ class HybridEngine:
         record = get_injection(self.module)
         if record is not None:
             record.runtime.cache.release()
-        for m in (self.module, getattr(self.module, "base_model", None)):
-            for value in list(vars(m).values()) if m is not None else []:
-                if hasattr(value, "reset") and type(value).__name__ == "GraphRunner":
-                    value.reset()
+        state = getattr(self.module, GEN_ATTR, None)
+        graphs = getattr(state, "graphs", None)
+        if graphs is not None and graphs.runner is not None:
+            # The graphs replay the freed cache's addresses: drop them with their memory pool and static inputs;
+            # DecodeGraphs.prepare builds and captures a new runner over the next cache.
+            graphs.runner.reset()
+            graphs.runner = None
 
     # -- generation -------------------------------------------------------------------------------------------------
 
@@ -332,7 +355,7 @@ class HybridEngine:
         hf = self.weights.hf_model
         self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
         t0 = self._now()
-        out = self.module.generate(*args, **kwargs)  # the injected model's generate: our fast loop when installed
+        out = self._generate(args, kwargs)
         elapsed = self._now() - t0
         seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         it = self.stats.last
@@ -345,6 +368,27 @@ class HybridEngine:
                 it.samples += seqs.shape[0]
                 it.new_tokens += seqs.shape[0] * max(0, seqs.shape[1] - width)
         return out
+
+    def _generate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The inference copy's ``generate`` (hf_dsinfer's fast loop), or transformers' loop on the same copy for
+        sampled requests with ``sampling="hf"``."""
+        state = getattr(self.module, GEN_ATTR, None)
+        if self.sampling == "hf" and state is not None and self._samples(kwargs):
+            width = _prompt_width(args, kwargs)
+            if state.runtime is not None and width is not None:
+                gen_config, _ = self.module._prepare_generation_config(
+                    kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
+                )
+                check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
+            return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
+        return self.module.generate(*args, **kwargs)
+
+    def _samples(self, kwargs: dict[str, Any]) -> bool:
+        """Whether this request samples (``do_sample`` from the call, its generation config, or the defaults)."""
+        if "do_sample" in kwargs:
+            return bool(kwargs["do_sample"])
+        config = kwargs.get("generation_config") or self.module.generation_config
+        return bool(getattr(config, "do_sample", False))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
