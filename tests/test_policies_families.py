@@ -25,10 +25,12 @@ class Cfg:
 
 
 # The fidelity rows this file covers; each gets the save-path check.
-ROWS = ["gemma"]
+ROWS = ["gemma", "olmo2"]
 
 # Config variants the rows do not cover: (row, overrides), compared with HF like a row.
-VARIANTS: dict[str, tuple[str, dict]] = {}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "olmo2-mha-bias": ("olmo2", dict(num_key_value_heads=6, attention_bias=True)),
+}
 
 # Variants a policy does not fuse: (row, overrides, text the warning must contain).
 FALLBACKS: dict[str, tuple[str, dict, str]] = {

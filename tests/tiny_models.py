@@ -40,6 +40,23 @@ ARCHITECTURES: dict[str, Arch] = {
     "qwen2": Arch("qwen2", dict(_DECODER, num_key_value_heads=2), notes="GQA, qkv bias"),
     "qwen3": Arch("qwen3", dict(_DECODER, num_key_value_heads=2, head_dim=16), notes="GQA, qk-norm"),
     "phi3": Arch("phi3", dict(_DECODER, num_key_value_heads=2), notes="fused qkv and gate_up"),
+    "mixtral": Arch(
+        "mixtral",
+        dict(_DECODER, num_key_value_heads=2, intermediate_size=56, num_local_experts=4, num_experts_per_tok=2),
+        notes="MoE: 4 experts, top-2 renormalised, fp32 routing weights",
+    ),
+    "qwen2_moe": Arch(
+        "qwen2_moe",
+        dict(_DECODER, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+             shared_expert_intermediate_size=56, mlp_only_layers=[1], norm_topk_prob=False),
+        notes="MoE: shared expert with sigmoid gate, qkv bias, layer 1 dense (mlp_only_layers)",
+    ),
+    "qwen3_moe": Arch(
+        "qwen3_moe",
+        dict(_DECODER, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+             moe_intermediate_size=40, decoder_sparse_step=2, norm_topk_prob=True),
+        notes="MoE: top-3 of 8 with norm_topk_prob, qk-norm, layer 0 dense (decoder_sparse_step=2)",
+    ),
     "gemma2": Arch(
         "gemma2",
         dict(
@@ -56,6 +73,7 @@ ARCHITECTURES: dict[str, Arch] = {
     "gemma": Arch(
         "gemma", dict(_DECODER, num_key_value_heads=2, head_dim=16), notes="(1 + w) norms, embedding scale, gelu_tanh"
     ),
+    "olmo2": Arch("olmo2", dict(_DECODER, num_key_value_heads=2), notes="norms after blocks, full-width q/k norm"),
     "gpt2": Arch(
         "gpt2", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136), notes="Conv1D"
     ),

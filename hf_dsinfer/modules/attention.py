@@ -22,7 +22,8 @@ class AttentionSpec:
     ``rotary``: apply the model's rotary table (False for learned/absolute positions). ``sliding_window`` W: each
     query sees its last W positions. ``softcap``: ``cap * tanh(s / cap)`` on the scores. ``qk_norm``: a norm over
     each head of q and k before rotary (qwen3). ``causal``: False for encoders: every token attends every real token
-    of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache.
+    of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache. ``qk_norm_full_width``: the
+    q (k) norm runs over all heads together, weights ``[Hq * D]`` / ``[Hk * D]`` (olmo2), not per head.
     """
 
     num_heads: int
@@ -34,6 +35,7 @@ class AttentionSpec:
     softcap: float | None = None
     qk_norm: NormSpec | None = None
     causal: bool = True
+    qk_norm_full_width: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -60,6 +62,9 @@ class StepContext:
     seq_lens: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
     rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # torch path: angles gathered once per step
+    # Compiled CPU decode (generation/decode.py): attend the first ``attend_len`` slots, a bound the host knows
+    # without reading ``seq_lens``, and store/attend with no host sync so one compiled graph serves every step.
+    attend_len: int | None = None
 
     @property
     def decode(self) -> bool:
@@ -119,7 +124,11 @@ class FusedAttention(nn.Module):
         B, T, _ = x.shape
         Hq, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hk, D)  # [B, T, Hq + 2Hk, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and s.qk_norm_full_width:
+            q = self.q_norm(qkv[:, :, :Hq].reshape(B, T, Hq * D)).view(B, T, Hq, D)  # statistics over all heads
+            k = self.k_norm(qkv[:, :, Hq : Hq + Hk].reshape(B, T, Hk * D)).view(B, T, Hk, D)
+            qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)
+        elif self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq : Hq + Hk])  # new contiguous [B, T, H, D]
             qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)  # one buffer again, so q and k rotate together
         if s.rotary:
@@ -131,6 +140,9 @@ class FusedAttention(nn.Module):
             out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
             return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
+        if ctx.attend_len is not None:
+            out = _sync_free_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx, s)  # [B, Hq, D]
+            return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
             out = decode_attention(
@@ -155,3 +167,42 @@ class FusedAttention(nn.Module):
             f"layer={self.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
             f"window={s.sliding_window}, softcap={s.softcap}" + ("" if s.causal else ", causal=False")
         )
+
+
+def _sync_free_decode(
+    q: torch.Tensor,  # [B, Hq, D] this step's queries
+    k: torch.Tensor,  # [B, Hk, D] this step's keys
+    v: torch.Tensor,  # [B, Hk, D]
+    k_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    v_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    ctx: StepContext,
+    spec: AttentionSpec,
+) -> torch.Tensor:
+    """One decode step's KV store and attention in plain torch ops with no host sync (for ``torch.compile``).
+
+    The same math as the kernels' references: the new token goes to slot ``cache_lens[b]`` (the caller checked that
+    the request fits the cache), the query attends slots ``[0, seq_lens[b])`` (or the last ``sliding_window`` of
+    them) of the first ``ctx.attend_len`` slots, scores in fp32 with the optional softcap. Returns ``[B, Hq, D]``.
+    """
+    B, Hq, D = q.shape
+    Hk = k.shape[1]
+    L = ctx.attend_len
+    rows = torch.arange(B, device=q.device)
+    slot = ctx.cache_lens.long()  # [B]
+    k_cache[rows, :, slot] = k.to(k_cache.dtype)  # [B, Hk, D] into k_cache[b, :, slot[b]]
+    v_cache[rows, :, slot] = v.to(v_cache.dtype)
+    keys = k_cache[:B, :, :L].float()  # [B, Hk, L, D] (a view in fp32)
+    vals = v_cache[:B, :, :L].float()
+    qg = q.float().view(B, Hk, Hq // Hk, D)  # [B, Hk, G, D]: the query heads of each KV head
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * spec.scale  # [B, Hk, G, L]
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    j = torch.arange(L, device=q.device)
+    lens = ctx.seq_lens.long()[:, None]  # [B, 1]
+    allowed = j[None, :] < lens  # [B, L]
+    if spec.sliding_window is not None:
+        allowed &= j[None, :] >= lens - spec.sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vals)  # [B, Hk, G, D]
+    return out.view(B, Hq, D).to(q.dtype)

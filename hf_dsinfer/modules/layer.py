@@ -10,6 +10,7 @@ Residual styles (``LayerSpec.residual``):
 * ``sandwich`` (gemma2):  ``x = x + attn_out_norm(attn(attn_norm(x))); x = x + mlp_out_norm(mlp(mlp_norm(x)))``
 * ``parallel`` (neox, falcon): ``x = x + attn(attn_norm(x)) + mlp(mlp_norm(x))`` (``mlp_norm`` absent: shared norm)
 * ``post`` (bert, opt-350m):  ``x = attn_norm(x + attn(x)); x = mlp_norm(x + mlp(x))``
+* ``post_block`` (olmo2):     ``x = x + attn_out_norm(attn(x)); x = x + mlp_out_norm(mlp(x))`` (no norm before a block)
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from torch import nn
 from .attention import AttentionSpec, FusedAttention, StepContext
 from .linear import Linear
 from .mlp import FusedMLP, MLPSpec
+from .moe import MOE_PARAM_NAMES, FusedMoE, MoESpec
 from .norms import FusedNorm, NormSpec
 
-RESIDUAL_STYLES = ("pre", "sandwich", "parallel", "post")
+RESIDUAL_STYLES = ("pre", "sandwich", "parallel", "post", "post_block")
 
 # Every parameter name a fused layer knows, and which ones are required (per residual style for the norms).
 PARAM_NAMES = (
@@ -37,11 +39,13 @@ PARAM_NAMES = (
     "attn.q_norm.weight", "attn.k_norm.weight",
     "mlp.up.weight", "mlp.up.bias", "mlp.down.weight", "mlp.down.bias",
 )  # fmt: skip
+PARAM_NAMES += MOE_PARAM_NAMES  # a mixture-of-experts layer's mlp (modules/moe.py)
 _NORMS_BY_STYLE = {
     "pre": ("attn_norm", "mlp_norm"),
     "sandwich": ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"),
     "parallel": ("attn_norm",),  # mlp_norm optional
     "post": ("attn_norm", "mlp_norm"),
+    "post_block": ("attn_out_norm", "mlp_out_norm"),
 }
 #: The weights of the layer's linears (the ones worth a device-specific layout, see ``linear.gemm_layout``).
 LINEAR_WEIGHTS = ("attn.qkv.weight", "attn.o.weight", "mlp.up.weight", "mlp.down.weight")
@@ -56,6 +60,8 @@ class LayerSpec:
     mlp: MLPSpec
     norm: NormSpec
     residual: str = "pre"
+    #: A mixture-of-experts layer: ``mlp`` is a :class:`~hf_dsinfer.modules.moe.FusedMoE` (``spec.mlp`` is unused).
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_STYLES:
@@ -95,7 +101,8 @@ class FusedDecoderLayer(nn.Module):
         unknown = sorted(set(params) - set(PARAM_NAMES))
         if unknown:
             raise ValueError(f"unknown fused parameter names {unknown}; valid names: {', '.join(PARAM_NAMES)}")
-        required = list(_REQUIRED) + [f"{n}.weight" for n in _NORMS_BY_STYLE[spec.residual]]
+        linears = [n for n in _REQUIRED if spec.moe is None or not n.startswith("mlp.")]  # MoE: FusedMoE checks its own
+        required = linears + [f"{n}.weight" for n in _NORMS_BY_STYLE[spec.residual]]
         if spec.attention.qk_norm is not None:
             required += ["attn.q_norm.weight", "attn.k_norm.weight"]
         missing = [n for n in required if n not in params]
@@ -114,7 +121,10 @@ class FusedDecoderLayer(nn.Module):
             q_norm = FusedNorm(spec.attention.qk_norm, params["attn.q_norm.weight"])
             k_norm = FusedNorm(spec.attention.qk_norm, params["attn.k_norm.weight"])
         attn = FusedAttention(spec.attention, layer_idx, linear("attn.qkv"), linear("attn.o", True), q_norm, k_norm)
-        mlp = FusedMLP(spec.mlp, linear("mlp.up"), linear("mlp.down", True))
+        if spec.moe is not None:
+            mlp = FusedMoE.from_params(spec.moe, params, reduce)
+        else:
+            mlp = FusedMLP(spec.mlp, linear("mlp.up"), linear("mlp.down", True))
         return cls(spec, attn, mlp, norms)
 
     def forward(
@@ -127,6 +137,10 @@ class FusedDecoderLayer(nn.Module):
             h, _ = self.attn_norm(self.attn(x, ctx), x)  # norm(x + attn(x))
             out, _ = self.mlp_norm(self.mlp(h), h)  # norm(h + mlp(h))
             return out, None
+        if style == "post_block":
+            x = hidden if residual is None else hidden + residual  # [B, T, C] the true stream
+            x = x + self.attn_out_norm(self.attn(x, ctx))
+            return self.mlp_out_norm(self.mlp(x)), x  # the next norm (or layer) adds the pair
 
         if residual is None:
             h, residual = self.attn_norm(hidden), hidden
