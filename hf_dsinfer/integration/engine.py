@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -133,8 +134,34 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
             model.to(dtype=cfg.torch_dtype)
         model = apply_inference_config(model, cfg)
         model.to(device=device)
+        _save_in_hf_layout(model)
         return InferenceEngine(model, cfg)
     # transformers' PreTrainedModel.to refuses dtype casts only for other quantization methods, never ours.
     model.to(device=device, dtype=cfg.torch_dtype)
     model = apply_inference_config(model, cfg)
+    _save_in_hf_layout(model)
     return InferenceEngine(model, cfg)
+
+
+def _save_in_hf_layout(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` write plain HF tensors (this instance only).
+
+    ``from_pretrained`` attaches our transformers quantizer, whose ``get_state_dict_and_metadata`` un-packs the fused
+    tensors at save time; a model given to ``init_inference`` has no quantizer, so without this its checkpoint would
+    hold fused names (``qkv``, ``gate_up``) that nothing can load. The checkpoint carries no inference config: it
+    reloads as the plain HF model it came from. Tensor-parallel models keep their refusal (``parallel.finish``).
+    """
+    from ..policies import hf_state_dict, is_injected
+
+    save = getattr(model, "save_pretrained", None)
+    if save is None or not is_injected(model) or "save_pretrained" in model.__dict__:
+        return
+    if getattr(model, "hf_quantizer", None) is not None:
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+        return save(save_directory, *args, state_dict=hf_state_dict(model) if state_dict is None else state_dict,
+                    **kwargs)
+
+    model.save_pretrained = save_pretrained

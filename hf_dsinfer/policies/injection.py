@@ -286,4 +286,24 @@ def hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None =
                 raise KeyError(f"state dict of the injected model lacks {key!r}")
             for hf_name, tensor in src.unpack(sd.pop(key)).items():
                 sd[f"{record.layers_prefix}.{i}.{hf_name}"] = tensor
-    return sd
+    return _row_major(sd)
+
+
+def _row_major(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with every tensor in plain row-major layout, tied tensors still sharing one copy.
+
+    The CPU K-major layout (``modules.gemm_layout``) is a transposed view; transformers' tied-weight detection
+    (``remove_tied_weights_from_state_dict``) flattens shared tensors with ``view(-1)``, which such a view refuses,
+    and safetensors writes row-major tensors anyway. Names that held the same tensor (a tied LM head and input
+    embedding) get the same copy, so transformers still sees them as tied and writes the weight once.
+    """
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, t in sd.items():
+        if isinstance(t, torch.Tensor) and not t.is_contiguous():
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key not in copies:
+                copies[key] = t.contiguous()
+            t = copies[key]
+        out[name] = t
+    return out

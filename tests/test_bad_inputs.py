@@ -1,0 +1,77 @@
+"""Bad input, faults and misuse, through every way in: never silently wrong, never a crash inside torch.
+
+Every way in (``from_pretrained``, ``pipeline``, ``init_inference``, ``HybridEngine``, the CLI) gets unknown, typo'd
+and conflicting keys, wrong types and ranges, missing and invalid JSON files, absurd sizes, and requests it cannot
+serve (empty prompts, over-long requests, ids outside the vocabulary, masks of the wrong shape, a streamer or a
+stopping criterion that raises, right padding). Each must raise an error that names the setting, the value and the
+fix, or fall back with one warning; afterwards the same model must still generate exactly what HF generates.
+The regression tests of issue 13's defects are marked ``# defect N``. Tiny models are built once per module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny, left_pad, prompts, save_tiny
+from tolerances import MODEL_LOGITS_TOL
+from transformers import AutoModelForCausalLM
+
+import hf_dsinfer
+
+NEW = 8  # new tokens per greedy check
+FAST = dict(dtype="fp32", replace_with_kernel_inject=True)  # explicit: the defaults ("auto") may change
+IDS = torch.tensor([prompts((7,))[0]])
+
+
+def greedy(model, ids, mask=None, new: int = NEW, **kwargs):
+    """Greedy generation of ``new`` tokens."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """The reference: HF's eager tiny llama in fp32."""
+    return build_tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """A left-padded batch of three prompts: ``(input_ids, attention_mask)``."""
+    return left_pad(prompts((5, 9, 3)))
+
+
+@pytest.fixture(scope="module")
+def want(hf, batch):
+    """HF's greedy tokens for ``batch``."""
+    with torch.no_grad():
+        return greedy(hf, *batch)
+
+
+def generates_like_hf(model, batch, want) -> None:
+    """``model`` generates exactly HF's tokens for ``batch`` (called after every error)."""
+    torch.testing.assert_close(greedy(model, *batch), want, rtol=0, atol=0)
+
+
+# -- save / reload ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "falcon", "llama_tied"])
+@torch.no_grad()
+def test_init_inference_saves_tied_embeddings_in_hf_layout(name, tmp_path):  # defect 1
+    """Tied LM head / embedding in the CPU K-major layout: save_pretrained writes plain HF weights that reload."""
+    row, extra = ("llama", {"tie_word_embeddings": True}) if name == "llama_tied" else (name, {})
+    ref = build_tiny(row, **extra)
+    engine = hf_dsinfer.init_inference(build_tiny(row, **extra), **FAST)
+    engine.module.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(again(IDS).logits, ref(IDS).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_from_pretrained_saves_tied_embeddings(tmp_path):  # defect 1
+    src = save_tiny("gpt2", tmp_path / "src")
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    AutoModelForCausalLM.from_pretrained(src, inference_config=FAST).save_pretrained(tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # reloads optimized (config.json holds the config)
+    assert again.config.quantization_config.replace_with_kernel_inject is True
+    torch.testing.assert_close(again(IDS).logits, ref(IDS).logits, **MODEL_LOGITS_TOL[torch.float32])
