@@ -25,7 +25,7 @@ class Cfg:
 
 
 # The fidelity rows this file covers; each gets the save-path check.
-ROWS = ["gemma", "olmo2"]
+ROWS = ["gemma", "olmo2", "granite"]
 
 # Config variants the rows do not cover: (row, overrides), compared with HF like a row.
 VARIANTS: dict[str, tuple[str, dict]] = {

@@ -74,6 +74,12 @@ ARCHITECTURES: dict[str, Arch] = {
         "gemma", dict(_DECODER, num_key_value_heads=2, head_dim=16), notes="(1 + w) norms, embedding scale, gelu_tanh"
     ),
     "olmo2": Arch("olmo2", dict(_DECODER, num_key_value_heads=2), notes="norms after blocks, full-width q/k norm"),
+    "granite": Arch(
+        "granite",
+        dict(_DECODER, num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+             attention_multiplier=0.0078125, logits_scaling=8.0),
+        notes="embedding, residual and attention multipliers, logits scaling",
+    ),
     "gpt2": Arch(
         "gpt2", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136), notes="Conv1D"
     ),

@@ -60,12 +60,16 @@ class LayerSpec:
     mlp: MLPSpec
     norm: NormSpec
     residual: str = "pre"
+    #: Scale of each block's output before its residual add (granite's ``residual_multiplier``; pre style only).
+    residual_scale: float = 1.0
     #: A mixture-of-experts layer: ``mlp`` is a :class:`~hf_dsinfer.modules.moe.FusedMoE` (``spec.mlp`` is unused).
     moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_STYLES:
             raise ValueError(f"LayerSpec.residual must be one of {RESIDUAL_STYLES}, got {self.residual!r}")
+        if self.residual_scale != 1.0 and self.residual != "pre":
+            raise ValueError(f"LayerSpec.residual_scale is supported with the 'pre' style only, not {self.residual!r}")
 
 
 class FusedDecoderLayer(nn.Module):
@@ -162,8 +166,13 @@ class FusedDecoderLayer(nn.Module):
         a = self.attn(h, ctx)
         if style == "sandwich":
             a = self.attn_out_norm(a)
+        scale = self.spec.residual_scale
+        if scale != 1.0:
+            a = a * scale  # in the model dtype, before the add, like granite
         h, residual = self.mlp_norm(a, residual)
         m = self.mlp(h)
         if style == "sandwich":
             m = self.mlp_out_norm(m)
+        if scale != 1.0:
+            m = m * scale
         return m, residual

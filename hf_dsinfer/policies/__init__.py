@@ -4,7 +4,7 @@
 package registers every family below; a new family is one module here plus one import line (docs/policies.md).
 """
 
-from . import bert, falcon, gemma, gemma2, gpt2, gpt_neox, llama, olmo2, opt  # noqa: F401  (register the families)
+from . import bert, falcon, gemma, gemma2, gpt2, gpt_neox, granite, llama, olmo2, opt  # noqa: F401  (register the families)
 from .base import POLICIES, POLICIES_BY_CLASS, Cat, Param, Policy, Source, Transposed, find_policy, register
 from .injection import get_injection, hf_state_dict, inject, is_injected, validate_injection_policy
 from .moe import MixtralPolicy, Qwen2MoePolicy, Qwen3MoePolicy  # noqa: F401  (register the MoE families)
