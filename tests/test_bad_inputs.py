@@ -10,6 +10,8 @@ The regression tests of issue 13's defects are marked ``# defect N``. Tiny model
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from tiny_models import build_tiny, left_pad, prompts, save_tiny
@@ -75,3 +77,42 @@ def test_from_pretrained_saves_tied_embeddings(tmp_path):  # defect 1
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # reloads optimized (config.json holds the config)
     assert again.config.quantization_config.replace_with_kernel_inject is True
     torch.testing.assert_close(again(IDS).logits, ref(IDS).logits, **MODEL_LOGITS_TOL[torch.float32])
+
+
+# -- concurrency -----------------------------------------------------------------------------------------------------
+
+
+def _in_threads(fn, n: int) -> list:
+    out, errors = [None] * n, []
+
+    def work(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@torch.no_grad()
+def test_generate_from_several_threads_equals_hf(hf, batch, want):  # defect 2
+    """One static KV cache per model: concurrent calls take turns on the model's lock, each gets HF's tokens."""
+    engine = hf_dsinfer.init_inference(build_tiny("llama"), **FAST)
+    rows = [torch.tensor([p]) for p in prompts((5, 9, 3, 7))]
+    expected = [greedy(hf, r) for r in rows]
+    for _ in range(2):
+        got = _in_threads(lambda i: greedy(engine, rows[i]), len(rows))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # forward calls of other threads wait for a running generate too
+    logits = _in_threads(lambda i: greedy(engine, *batch) if i == 0 else engine(IDS).logits, 3)
+    torch.testing.assert_close(logits[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(logits[1], hf(IDS).logits, **MODEL_LOGITS_TOL[torch.float32])
+    generates_like_hf(engine, batch, want)

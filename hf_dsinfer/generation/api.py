@@ -12,10 +12,16 @@ streamers, pipelines all behave as documented by transformers) and swaps only th
 
 Either way the request is checked against ``max_out_tokens`` before any work, and the call's timing is recorded
 (:func:`~hf_dsinfer.generation.stats.last_generate_stats`).
+
+Threads: a model with fused layers holds one static KV cache, so its ``generate`` calls (and forward calls) from
+several threads take turns on a per-model lock: each call gets exactly the tokens it would get alone, and calls run
+one at a time. A model on HF's modules keeps HF's behaviour (a fresh cache per call, no lock).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from types import MethodType
 from typing import Any
 
@@ -46,6 +52,8 @@ class GenerationState:
         self.graphs = None
         if self.step is not None and getattr(cfg, "enable_cuda_graph", False):
             self.graphs = DecodeGraphs(self.step, cfg.cuda_graph_batch_sizes, cfg.max_batch_size)
+        # One static cache per model: concurrent calls take turns (re-entrant: generate calls the forward).
+        self.lock = threading.RLock() if runtime is not None else None
 
 
 def install_generate(model: nn.Module, cfg: Any, injection: Any = None) -> nn.Module:
@@ -70,7 +78,21 @@ def install_generate(model: nn.Module, cfg: Any, injection: Any = None) -> nn.Mo
     state = GenerationState(model, cfg, runtime, hf_generate)
     object.__setattr__(model, GEN_ATTR, state)  # plain attribute: not a submodule, not in the state dict
     model.generate = MethodType(generate, model)
+    fused_forward = model.__dict__.get("forward")
+    if state.lock is not None and fused_forward is not None:
+        model.forward = _locked(fused_forward, state.lock)
     return model
+
+
+def _locked(fn: Any, lock: threading.RLock) -> Any:
+    """``fn`` run under ``lock`` (a forward of another thread must not write the static cache mid-generation)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _prompt_width(args: tuple, kwargs: dict[str, Any]) -> int | None:
@@ -118,6 +140,13 @@ def _max_new_tokens(gen_config: Any, width: int) -> int:
 def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """transformers' ``generate`` with hf_dsinfer's decoding loop (see the module docstring)."""
     state: GenerationState = getattr(self, GEN_ATTR)
+    if state.lock is None:
+        return _generate(self, state, args, kwargs)
+    with state.lock:  # the static KV cache serves one call at a time
+        return _generate(self, state, args, kwargs)
+
+
+def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> Any:
     reason, gen_config = _route(self, state, args, kwargs)
     width = _prompt_width(args, kwargs)
     if state.runtime is not None and gen_config is not None and width is not None:
