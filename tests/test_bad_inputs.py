@@ -116,3 +116,17 @@ def test_generate_from_several_threads_equals_hf(hf, batch, want):  # defect 2
     torch.testing.assert_close(logits[0], want, rtol=0, atol=0)
     torch.testing.assert_close(logits[1], hf(IDS).logits, **MODEL_LOGITS_TOL[torch.float32])
     generates_like_hf(engine, batch, want)
+
+
+# -- init_inference --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_second_init_inference_with_other_settings_is_refused(batch, want):  # defect 3
+    model = build_tiny("llama")
+    hf_dsinfer.init_inference(model, **FAST, max_out_tokens=64)
+    with pytest.raises(ValueError, match=r"max_out_tokens=16 \(applied: 64\).*load or build the model again"):
+        hf_dsinfer.init_inference(model, **FAST, max_out_tokens=16)
+    again = hf_dsinfer.init_inference(model, **FAST, max_out_tokens=64)  # the same settings: a no-op
+    assert again.inference_config.max_out_tokens == 64 and again.module is model
+    generates_like_hf(again, batch, want)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
+from .apply import CONFIG_ATTR, apply_inference_config, check_dtype_supported, check_supported, local_device
 from .config import InferenceConfig
 
 
@@ -126,21 +126,58 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     first = next(model.parameters(), None)
     device = (first.device if first is not None else torch.device("cpu")) if cfg.keep_module_on_host else local_device()
     check_dtype_supported(cfg.torch_dtype, device)
+    applied = getattr(model, CONFIG_ATTR, None)
+    if applied is not None:  # optimized before (init_inference or from_pretrained): only the same settings are a no-op
+        _check_same_settings(applied, cfg)
+        return InferenceEngine(model, applied)
     from ..parallel import tp_requested
 
     if tp_requested(cfg.tensor_parallel) or cfg.checkpoint is not None:
         # Split (or load) on the host first, so the device never holds the full model.
         if not any(p.is_meta for p in model.parameters()):
             model.to(dtype=cfg.torch_dtype)
-        model = apply_inference_config(model, cfg)
+        model = _apply(model, cfg)
         model.to(device=device)
         _save_in_hf_layout(model)
         return InferenceEngine(model, cfg)
     # transformers' PreTrainedModel.to refuses dtype casts only for other quantization methods, never ours.
     model.to(device=device, dtype=cfg.torch_dtype)
-    model = apply_inference_config(model, cfg)
+    model = _apply(model, cfg)
     _save_in_hf_layout(model)
     return InferenceEngine(model, cfg)
+
+
+def _apply(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
+    """``apply_inference_config``; when it fails the model is not marked optimized, so a corrected call can run."""
+    try:
+        return apply_inference_config(model, cfg)
+    except BaseException:
+        model.__dict__.pop(CONFIG_ATTR, None)
+        raise
+
+
+def _resolved_dtype(cfg: InferenceConfig) -> str:
+    try:
+        return str(cfg.torch_dtype).removeprefix("torch.")
+    except RuntimeError:  # dtype="auto" never resolved
+        return cfg.dtype
+
+
+def _check_same_settings(applied: InferenceConfig, cfg: InferenceConfig) -> None:
+    """Raise ``ValueError`` naming every setting in which ``cfg`` differs from the config ``applied`` before.
+
+    The fused layers, static KV cache, rotary table, graphs and TP split were built for the applied values; they
+    cannot be rebuilt in place, and silently keeping them while reporting the new values would be wrong.
+    """
+    old, new = applied.to_dict(), cfg.to_dict()
+    old["dtype"], new["dtype"] = _resolved_dtype(applied), _resolved_dtype(cfg)  # "auto" compared as resolved
+    changed = [f"{k}={new[k]!r} (applied: {old[k]!r})" for k in sorted(new) if old.get(k) != new[k]]
+    if changed:
+        raise ValueError(
+            f"init_inference: this model was already optimized with other settings: {'; '.join(changed)}. An "
+            "optimized model cannot be re-configured in place; load or build the model again and call "
+            "init_inference once with the settings you want."
+        )
 
 
 def _save_in_hf_layout(model: nn.Module) -> None:
