@@ -130,3 +130,20 @@ def test_second_init_inference_with_other_settings_is_refused(batch, want):  # d
     again = hf_dsinfer.init_inference(model, **FAST, max_out_tokens=64)  # the same settings: a no-op
     assert again.inference_config.max_out_tokens == 64 and again.module is model
     generates_like_hf(again, batch, want)
+
+
+# -- HybridEngine ----------------------------------------------------------------------------------------------------
+
+
+def test_hybrid_engine_names_a_bad_config_file(tmp_path):  # defect 4
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    model = build_tiny("llama")
+    with pytest.raises(ValueError, match=r"inference_config file '.*bad\.json' is not valid JSON"):
+        hf_dsinfer.HybridEngine(model, inference_config=str(bad))
+    with pytest.raises(ValueError, match=r"inference_config='.*missing\.json' is not a JSON file"):
+        hf_dsinfer.HybridEngine(model, inference_config=str(tmp_path / "missing.json"))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        hf_dsinfer.HybridEngine(model, inference_config=listed)

@@ -12,7 +12,6 @@ state are never touched. See docs/hybrid.md.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -57,15 +56,14 @@ def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], t
     """An ``InferenceConfig`` for the engine. Given as None, a dict or a JSON path, ``dtype`` defaults to the training
     weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given."""
     # Config parsing only; imported here because integration/ sits above hybrid/ in the layer order.
-    from ..integration.config import InferenceConfig
+    from ..integration.config import InferenceConfig, read_json_config
 
     if isinstance(inference_config, InferenceConfig):
         config = InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
         config.resolve_dtype(training_dtype)  # dtype="auto" (the default): the training weights' dtype, as for a dict
         return config
     if isinstance(inference_config, (str, os.PathLike)):
-        with open(inference_config) as f:
-            inference_config = json.load(f)
+        inference_config = read_json_config(inference_config, "inference_config")  # errors name the file
     raw = dict(inference_config or {})
     keys = set(raw) | set(kwargs)
     extra = dict(kwargs)

@@ -99,6 +99,22 @@ def normalize_dtype(value: Any, key: str = "dtype") -> str:
     raise ValueError(f"{key}={value!r} is not a dtype hf_dsinfer knows; use one of: {valid} (or a torch dtype).")
 
 
+def read_json_config(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
+    """The JSON object in the file ``path``; a missing file, invalid JSON or a non-object raise ``ValueError`` naming
+    the file (``what``: the argument it was passed as, for the message)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}={path!r} is not a JSON file; pass a dict, an InferenceConfig or a file path.")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} file {path!r} is not valid JSON: {e}. Fix the file or pass a dict.") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {path!r} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
 def _unknown_key_error(key: str, valid: list[str], where: str) -> ValueError:
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -260,16 +276,7 @@ class InferenceConfig(QuantizationConfigMixin):
             base = dict(config)
             base.pop("quant_method", None)
         elif isinstance(config, (str, os.PathLike)):
-            path = os.fspath(config)
-            if not os.path.isfile(path):
-                raise ValueError(f"config={path!r} is not a JSON file; pass a dict, an InferenceConfig or a file path.")
-            with open(path, encoding="utf-8") as f:
-                try:
-                    base = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"config file {path!r} is not valid JSON: {e}") from e
-            if not isinstance(base, dict):
-                raise ValueError(f"config file {path!r} must hold a JSON object, got {type(base).__name__}.")
+            base = read_json_config(config)
             base.pop("quant_method", None)
         else:
             raise ValueError(
