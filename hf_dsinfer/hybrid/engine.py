@@ -162,6 +162,8 @@ class HybridEngine:
         dtype = self.config.torch_dtype
         with torch.device("meta"):  # structure only: no memory, no random init
             infer = type(hf)._from_config(config, dtype=dtype)
+        self._match_layer_lists(infer)
+        self.weights.check_modules(infer)  # unknown adapters are refused before any memory is allocated
         aliases: dict[int, list[str]] = {}
         for name, p in infer.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -190,6 +192,38 @@ class HybridEngine:
         self._fingerprint = self._current_fingerprint()
         self._dirty = False
         return infer
+
+    def _match_layer_lists(self, infer: nn.Module) -> None:
+        """Give the (meta) inference copy the layer lists the training model actually has.
+
+        The config can overstate them: DeepSpeed's Hybrid Engine tests shrink a model by popping decoder layers after
+        loading, leaving ``num_hidden_layers`` as it was. Layers removed from the end are followed (the copy keeps its
+        first ``n`` layers and its config says ``n``); any other difference is refused, naming the list.
+        """
+        for path, modules in list(infer.named_modules()):
+            if not isinstance(modules, nn.ModuleList):
+                continue
+            try:
+                trained = self.weights.module(path)
+            except KeyError:
+                continue  # reported by the refresh, which names the missing parameter
+            n = len(trained)
+            if n == len(modules):
+                continue
+            indices = [getattr(getattr(m, "self_attn", None), "layer_idx", i) for i, m in enumerate(trained)]
+            if n > len(modules) or indices != list(range(n)):
+                raise ValueError(
+                    f"the training model's {path!r} holds {n} modules but its config builds {len(modules)}"
+                    f"{'' if n > len(modules) else ' and they are not the first ' + str(n)}; the Hybrid Engine follows "
+                    "layers removed from the end only. Set the config (e.g. num_hidden_layers) to match the model."
+                )
+            parent, _, leaf = path.rpartition(".")
+            setattr(infer.get_submodule(parent), leaf, nn.ModuleList(list(modules)[:n]))
+            cfg = getattr(infer.config, "get_text_config", lambda: infer.config)()
+            if getattr(cfg, "num_hidden_layers", None) == len(modules):
+                cfg.num_hidden_layers = n  # the cache and generation read the layer count from here
+                if isinstance(getattr(cfg, "layer_types", None), list):
+                    cfg.layer_types = cfg.layer_types[:n]
 
     @staticmethod
     def _retie(model: nn.Module, groups: list[list[str]]) -> None:

@@ -10,6 +10,10 @@ that is only ever *read*: training weights, LoRA factors and optimizer state are
   ``scaling`` is read from the layer, so ``use_rslora`` (``alpha / sqrt(r)``) and ``set_scale`` are honoured; dropout
   is the identity at inference. Adapters that are merged or disabled contribute nothing (as in peft's forward).
   LoRA variants (DoRA, aLoRA, ...) and other peft tuners are refused with an error naming them.
+* DeepSpeed-Chat LoRA (``LinearLayer_LoRA``: ``lora_right_weight [in, r]``, ``lora_left_weight [r, out]``,
+  ``lora_scaling``): ``W + lora_scaling * (right @ left)^T`` in fp32, nothing once ``fuse_lora`` is set.
+* Any other module that holds parameters the plain architecture does not have (an unknown adapter) is refused by
+  name (:meth:`TrainingWeights.check_modules`).
 * peft ``modules_to_save``: the active adapter's copy of the module (or the original when none is active).
 * FSDP2 (``fully_shard``): DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must
   refresh, in the same order, which the engine guarantees).
@@ -88,6 +92,12 @@ def _is_aux_wrapper(module: nn.Module) -> bool:
     return isinstance(module, AuxiliaryTrainingWrapper)
 
 
+def is_deepspeed_chat_lora(module: nn.Module) -> bool:
+    """DeepSpeed-Chat's ``LinearLayer_LoRA``: a Linear stand-in holding ``weight [out, in]``, ``lora_right_weight
+    [in, r]``, ``lora_left_weight [r, out]``, ``lora_scaling`` and a ``fuse_lora`` flag."""
+    return all(hasattr(module, a) for a in ("weight", "lora_right_weight", "lora_left_weight", "lora_scaling"))
+
+
 def check_peft_model(peft_model: nn.Module | None) -> None:
     """Refuse peft methods that are not LoRA (prompt learning, IA3, LoHa, ...): they cannot become plain weights
     the fused layers run, and silently dropping them would generate with the wrong model."""
@@ -155,6 +165,8 @@ class TrainingWeights:
         mod = self.module(path)
         if _is_lora_layer(mod):
             return self._lora_value(mod, leaf, name)
+        if leaf == "weight" and is_deepspeed_chat_lora(mod):
+            return self._deepspeed_chat_lora_value(mod)
         if _is_tuner_layer(mod):
             raise UnsupportedAdapterError(
                 f"{name}: {type(mod).__name__} is a peft adapter layer the Hybrid Engine cannot fuse (LoRA only)."
@@ -237,6 +249,50 @@ class TrainingWeights:
             out = out + delta * mod.scaling[a]
         return out
 
+    def _deepspeed_chat_lora_value(self, mod: nn.Module) -> torch.Tensor:
+        """``W + scaling * (right @ left)^T`` for DeepSpeed-Chat's LoRA layer (its forward adds
+        ``x @ right @ left * scaling``); nothing is added once ``fuse_lora_weight()`` has folded it into ``W``."""
+        base = self.full(mod.weight.detach())
+        if getattr(mod, "fuse_lora", False):
+            return base
+        right = self.full(mod.lora_right_weight.detach()).float()  # [in, r]
+        left = self.full(mod.lora_left_weight.detach()).float()  # [r, out]
+        # fp32 products, then (delta * scaling) added once: the order used for peft's LoRA above.
+        return base.float() + (right @ left).t() * float(mod.lora_scaling)
+
+    def check_modules(self, reference: nn.Module) -> None:
+        """Refuse training modules that compute something the plain architecture cannot hold.
+
+        ``reference`` is the plain HF model built from the same config (the inference copy before injection). Every
+        module of it that owns parameters (Linear, Embedding, norms, ...) must have, in the training model, a
+        counterpart owning the same parameter names and no sub-module with parameters, unless it is an adapter the
+        engine fuses (peft LoRA, DeepSpeed-Chat LoRA). Anything else (a Linear subclass with extra factors, a wrapper
+        around the Linear) would be silently dropped from the generated model: refused by name.
+        """
+        for path, ref in reference.named_modules():
+            own = {n for n, _ in ref.named_parameters(recurse=False)}
+            if not own:
+                continue
+            try:
+                mod = self.module(path)
+            except KeyError:
+                continue  # the refresh names the missing parameter
+            if _is_tuner_layer(mod):
+                continue  # peft: LoRA is fused, other tuners are refused by name in get()
+            trained_own = {n for n, _ in mod.named_parameters(recurse=False)}
+            nested = sorted(n for n, _ in mod.named_parameters() if "." in n)
+            extra = sorted(trained_own - own) + nested
+            if is_deepspeed_chat_lora(mod):
+                extra = [n for n in extra if n not in ("lora_right_weight", "lora_left_weight")]
+            if extra or not own <= trained_own:
+                raise UnsupportedAdapterError(
+                    f"{path or 'the model'}: the training model holds a {type(mod).__module__}.{type(mod).__name__} "
+                    f"with parameters {sorted(trained_own) + nested} where the architecture has {type(ref).__name__} "
+                    f"{sorted(own)}; an adapter the Hybrid Engine does not know cannot be fused into the inference "
+                    "copy (it would generate from a different model). Use peft LoRA or DeepSpeed-Chat LoRA, or merge "
+                    "the adapter into the weights before building the engine."
+                )
+
     # -- gathering (ZeRO-3) -----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -271,4 +327,6 @@ class TrainingWeights:
             for m in self.hf_model.modules()
             if _is_lora_layer(m)
         )
-        return versions, lora
+        chat = [m for m in self.hf_model.modules() if is_deepspeed_chat_lora(m)]
+        ds_chat = tuple((m.lora_scaling, getattr(m, "fuse_lora", False)) for m in chat)
+        return versions, lora, ds_chat

@@ -1,0 +1,131 @@
+"""What the Hybrid Engine builds from: the modules the training model has (layers popped after loading, as
+DeepSpeed's test_he_llama does), DeepSpeed-Chat's LoRA layers fused exactly, unknown adapters refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import PAD, build_tiny, left_pad, prompts
+from torch import nn
+
+from hf_dsinfer.hybrid import HybridEngine, UnsupportedAdapterError
+
+CFG = {"max_out_tokens": 64}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _gen() -> dict:
+    ids, mask = left_pad(prompts((5, 9, 3)))
+    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+
+
+class ChatLoRALinear(nn.Module):
+    """The interface of DeepSpeed-Chat's ``LinearLayer_LoRA`` (written for this test): the frozen Linear's weight and
+    bias, ``lora_right_weight [in, r]``, ``lora_left_weight [r, out]``, ``lora_scaling = alpha / r``, ``fuse_lora``."""
+
+    def __init__(self, linear: nn.Linear, r: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        out_features, in_features = linear.weight.shape
+        self.lora_right_weight = nn.Parameter(torch.randn(in_features, r, generator=generator) * 0.3)
+        self.lora_left_weight = nn.Parameter(torch.randn(r, out_features, generator=generator) * 0.3)
+        self.lora_scaling = alpha / r
+        self.fuse_lora = False
+
+    def fuse_lora_weight(self) -> None:
+        with torch.no_grad():
+            self.weight += self.lora_scaling * (self.lora_right_weight @ self.lora_left_weight).t()
+        self.fuse_lora = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.fuse_lora:
+            return y
+        return y + (x @ self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling
+
+
+def _convert(model: nn.Module, names: tuple[str, ...], make) -> nn.Module:
+    for path, module in list(model.named_modules()):
+        if path.rpartition(".")[2] in names and isinstance(module, nn.Linear):
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, make(module))
+    return model
+
+
+def _chat_lora_model() -> nn.Module:
+    g = torch.Generator().manual_seed(5)
+    names = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+    return _convert(build_tiny("llama", seed=0), names, lambda m: ChatLoRALinear(m, r=4, alpha=8.0, generator=g))
+
+
+def test_layers_popped_after_loading_follow_the_model():
+    model = build_tiny("llama", seed=0, num_hidden_layers=4)
+    for _ in range(2):
+        model.model.layers.pop(-1)  # DeepSpeed's test_he_llama shrinks models this way; config still says 4
+    expected = model.generate(**_gen())
+    he = HybridEngine(model, inference_config=CFG)
+    assert len(he.module.model.layers) == 2 and he.module.config.num_hidden_layers == 2
+    assert torch.equal(he.generate(**_gen()), expected)
+
+
+def test_layers_removed_from_the_middle_are_refused():
+    model = build_tiny("llama", seed=0, num_hidden_layers=3)
+    del model.model.layers[1]
+    with pytest.raises(ValueError, match=r"'model.layers' holds 2 modules but its config builds 3"):
+        HybridEngine(model, inference_config=CFG)
+
+
+def test_deepspeed_chat_lora_is_fused_exactly():
+    model = _chat_lora_model().eval()
+    expected = model.generate(**_gen())  # the training model's own (unfused) forward is the oracle
+    he = HybridEngine(model, inference_config=CFG)
+    with he.inference():
+        out = he.generate(**_gen())
+        layer = he.module.model.layers[0]
+        q_rows = model.model.layers[0].self_attn.q_proj.weight.shape[0]
+        fused_q = layer.attn.qkv.weight[:q_rows]
+    assert torch.equal(out, expected)
+    q = model.model.layers[0].self_attn.q_proj
+    want = q.weight + (q.lora_right_weight @ q.lora_left_weight).t() * q.lora_scaling
+    torch.testing.assert_close(fused_q, want, rtol=0, atol=1e-6)
+
+    for m in model.modules():  # after DeepSpeed-Chat's own fuse, the delta lives in W: counted once
+        if isinstance(m, ChatLoRALinear):
+            m.fuse_lora_weight()
+    with he.inference():
+        assert torch.equal(he.generate(**_gen()), expected)
+
+
+def test_unknown_adapters_are_refused_by_name():
+    class ScaledLinear(nn.Linear):  # a Linear subclass with an extra trainable vector on the forward path
+        def __init__(self, linear: nn.Linear):
+            super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+            self.weight = linear.weight
+            self.gain = nn.Parameter(torch.ones(linear.out_features))
+
+        def forward(self, x):
+            return super().forward(x) * self.gain
+
+    class Wrapper(nn.Module):  # a wrapper holding the Linear and an adapter next to it
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.inner = linear
+            self.adapter = nn.Linear(linear.in_features, linear.out_features, bias=False)
+
+        def forward(self, x):
+            return self.inner(x) + self.adapter(x)
+
+    model = _convert(build_tiny("llama", seed=0), ("k_proj",), ScaledLinear)
+    with pytest.raises(UnsupportedAdapterError, match=r"model.layers.0.self_attn.k_proj: .*ScaledLinear.*'gain'"):
+        HybridEngine(model, inference_config=CFG)
+    model = _convert(build_tiny("llama", seed=0), ("up_proj",), Wrapper)
+    with pytest.raises(UnsupportedAdapterError, match=r"mlp.up_proj: .*Wrapper.*'adapter.weight'"):
+        HybridEngine(model, inference_config=CFG)
