@@ -44,7 +44,8 @@ ROWS = {
     # uneven splits: vocab 501 -> 251 / 250 rows; tp_grain_size 8 on intermediate 136 -> 72 / 64
     "uneven": ("llama", {"vocab_size": 501}),
 }
-GRAIN = {"uneven": 8}
+GRAIN = {"uneven": 8}  # the other rows use the default tp_grain_size (64)
+LOCAL_MLP = ("uneven", "llama40", "llama40_kv8")
 # rows also run with replace_with_kernel_inject=True: fused layers on each rank's slices, all-reduce in o / down
 FUSED = ["llama_kv2", "llama_kv4", "gpt_neox", "opt", "falcon", "phi3", "gpt2", "qwen2"]
 
@@ -127,6 +128,12 @@ def _checks(model, rank: int) -> dict:
     return {"logits": logits, "greedy": greedy, "sampled": sampled}
 
 
+def _split(model) -> tuple:
+    """(local q/kv heads of the first attention, every rank's vocab rows): what AutoTP kept on this rank."""
+    plan = model._dsinfer_tp_plan
+    return next(iter(plan.local_heads.values())), plan.head[1] if plan.head else None
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -144,14 +151,17 @@ def worker(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     out: dict = {}
-    tp2 = {"dtype": "fp32", "tensor_parallel": {"tp_size": WORLD}}
+    tp2 = {"dtype": "fp32", "replace_with_kernel_inject": False, "tensor_parallel": {"tp_size": world}}
     for name, path in job.get("models", {}).items():
         try:
-            cfg = {**tp2, "tensor_parallel": {"tp_size": WORLD, "tp_grain_size": GRAIN.get(name, 1)}}
+            grain = {"tp_grain_size": GRAIN[name]} if name in GRAIN else {}  # else the default, 64
+            cfg = {**tp2, "tensor_parallel": {"tp_size": world, **grain}}
             model = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=cfg)
             out[name] = _checks(model, rank)
-            out[name]["local_mlp"] = model.model.layers[0].mlp.up_proj.weight.shape[0] if name == "uneven" else None
+            out[name]["local_mlp"] = model.model.layers[0].mlp.up_proj.weight.shape[0] if name in LOCAL_MLP else None
+            out[name]["split"] = _split(model)
             out[name]["n_params"] = sum(p.numel() for p in model.parameters())
         except Exception:  # noqa: BLE001 - reported by the test
             out[name] = {"error": traceback.format_exc()}
@@ -161,6 +171,7 @@ def worker(job_path: str) -> None:
             model = transformers.AutoModelForCausalLM.from_pretrained(job["models"][name], inference_config=cfg)
             out[name + "+fused"] = _checks(model, rank)
             out[name + "+fused"]["fused"] = hf_dsinfer.policies.is_injected(model)
+            out[name + "+fused"]["split"] = _split(model)
             out[name + "+fused"]["n_params"] = sum(p.numel() for p in model.parameters())
         except Exception:  # noqa: BLE001 - reported by the test
             out[name + "+fused"] = {"error": traceback.format_exc()}
@@ -182,7 +193,7 @@ def worker(job_path: str) -> None:
             lambda: transformers.AutoModelForCausalLM.from_pretrained(job["errors"]["ok"], inference_config=cfg)
         )
         out["err_heads"] = _error(
-            lambda: transformers.AutoModelForCausalLM.from_pretrained(job["errors"]["heads3"], inference_config=tp2)
+            lambda: transformers.AutoModelForCausalLM.from_pretrained(job["errors"]["heads1"], inference_config=tp2)
         )
     if "memory" in job:
         # warm up first (imports, process groups, first-call code paths) so only the big load is measured
@@ -227,13 +238,13 @@ def run(tmp_path_factory):
     """Save every row, start the two ranks once, return (paths, rank results)."""
     base = tmp_path_factory.mktemp("tp")
     paths = {name: save_tiny(row, base / name, **over) for name, (row, over) in ROWS.items()}
-    heads3 = save_tiny("llama", base / "heads3", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    heads1 = save_tiny("llama", base / "heads1", hidden_size=16, num_attention_heads=1, num_key_value_heads=1)
     job = {
         "models": paths,
         "fused": FUSED,
         "inplace": paths["llama_kv2"],
         "mp_dir": str(base / "mp"),
-        "errors": {"ok": paths["llama_kv2"], "heads3": heads3},
+        "errors": {"ok": paths["llama_kv2"], "heads1": heads1},
     }
     return paths, launch(job, str(base))
 
@@ -300,7 +311,48 @@ def test_indivisible_settings_name_the_numbers(run):
     _, results = run
     for res in results:
         assert "tp_size=3 does not divide the world size 2" in res["err_world"], res["err_world"]
-        assert "tp_size=2 does not divide num_attention_heads (3)" in res["err_heads"], res["err_heads"]
+        assert "tp_size=2 is more than num_attention_heads (1)" in res["err_heads"], res["err_heads"]
+
+
+# -- three ranks: uneven head and vocab splits -------------------------------------------------------------------------
+
+_WIDE = dict(hidden_size=160, num_attention_heads=40, intermediate_size=200, vocab_size=50257)  # head_dim 4
+# name -> (tiny_models row, overrides, expected (local q heads, local kv heads) per rank)
+UNEVEN3 = {
+    "llama40": ("llama", dict(_WIDE, num_key_value_heads=40), [(14, 14), (13, 13), (13, 13)]),
+    "llama40_kv8": ("llama", dict(_WIDE, num_key_value_heads=8), [(15, 3), (15, 3), (10, 2)]),
+    "gpt2_40": ("gpt2", dict(n_embd=160, n_head=40, n_inner=200, vocab_size=50257), [(14, 14), (13, 13), (13, 13)]),
+}
+VOCAB_ROWS_3 = [16768, 16768, 16721]  # 785 units of 64 dealt 262 / 262 / 261, the 17 rows left over to the last rank
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory):
+    """Three ranks, 40 heads and vocab 50257: HF modules and fused layers, default tp_grain_size (64)."""
+    base = tmp_path_factory.mktemp("tp3")
+    paths = {name: save_tiny(row, base / name, **over) for name, (row, over, _) in UNEVEN3.items()}
+    return paths, launch({"models": paths, "fused": list(UNEVEN3)}, str(base), world=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(UNEVEN3))
+def test_tp3_uneven_heads_and_vocab_match_tp1(run3, name):
+    paths, results = run3
+    logits, greedy, n_params = _reference(paths[name])
+    expected_heads = UNEVEN3[name][2]
+    for rank, res in enumerate(results):
+        _assert_matches(res[name], logits, greedy, f"{name} rank {rank}")
+        assert res[name]["split"] == (expected_heads[rank], VOCAB_ROWS_3)
+        assert res[name]["n_params"] < 0.5 * n_params
+        got = res[name + "+fused"]
+        assert "error" not in got, got.get("error")
+        assert got["fused"], f"{name} rank {rank} fell back to HF's modules"
+        assert got["split"] == (expected_heads[rank], VOCAB_ROWS_3)
+        _assert_matches(got, logits, greedy, f"{name} fused rank {rank}", real_only=True)
+    if name in LOCAL_MLP:  # intermediate 200 = 3 units of 64 + 8 left over for the last rank
+        assert [r[name]["local_mlp"] for r in results] == [64, 64, 72]
+    for key in (name, name + "+fused"):
+        assert all(torch.equal(results[0][key]["sampled"], r[key]["sampled"]) for r in results[1:])
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":

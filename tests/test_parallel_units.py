@@ -14,18 +14,28 @@ import hf_dsinfer
 from hf_dsinfer import parallel
 from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.parallel import autotp
-from hf_dsinfer.parallel.shard import HeadPartition, Shard, concat_layout, grouped_layout, select, split_units
+from hf_dsinfer.parallel.shard import (
+    HeadPartition,
+    Shard,
+    concat_layout,
+    grouped_layout,
+    select,
+    split_sizes,
+    split_units,
+)
 
 # -- slicing rules ---------------------------------------------------------------------------------------------------
 
 
-def test_grain_rule_splits_unevenly_and_names_the_numbers():
+def test_grain_rule_splits_unevenly_with_the_remainder_on_the_last_rank():
     assert [split_units(136, 3, r, grain=8) for r in range(3)] == [(0, 48), (48, 96), (96, 136)]
     assert [split_units(500, 3, r) for r in range(3)] == [(0, 167), (167, 334), (334, 500)]
-    with pytest.raises(ValueError, match=r"tp_grain_size=5 does not divide .* \(136\)"):
-        split_units(136, 2, 0, grain=5, what="intermediate")
-    with pytest.raises(ValueError, match="fewer than tp_size=4"):
-        split_units(16, 4, 0, grain=8)
+    # DeepSpeed's default grain 64: 785 whole units dealt 262 / 262 / 261, the 17 rows left over go to the last rank
+    assert [split_units(50257, 3, r, grain=64) for r in range(3)] == [(0, 16768), (16768, 33536), (33536, 50257)]
+    assert split_sizes(136, 2, grain=64) == [64, 72]
+    assert split_sizes(100, 3, grain=64) == [34, 33, 33]  # fewer units than ranks: element by element
+    with pytest.raises(ValueError, match=r"vocab_size \(2\) is smaller than tensor_parallel.tp_size=4"):
+        split_units(2, 4, 0, grain=64, what="vocab_size")
 
 
 def test_head_partition_splits_or_replicates_kv_heads():
@@ -39,10 +49,24 @@ def test_head_partition_splits_or_replicates_kv_heads():
 
 
 @pytest.mark.parametrize(
+    "heads, kv, tp, expected",
+    [
+        (40, 40, 3, [(0, 14, 0, 14), (14, 27, 14, 27), (27, 40, 27, 40)]),  # MHA: 14 / 13 / 13, remainder first
+        (12, 3, 2, [(0, 8, 0, 2), (8, 12, 2, 3)]),  # GQA: kv groups stay whole (2 + 1 groups of 4 q heads)
+        (6, 2, 4, [(0, 2, 0, 1), (2, 3, 0, 1), (3, 5, 1, 2), (5, 6, 1, 2)]),  # replicated kv, its 3 q heads 2 / 1
+        (3, 1, 2, [(0, 2, 0, 1), (2, 3, 0, 1)]),
+    ],
+)
+def test_head_partition_splits_unevenly(heads, kv, tp, expected):
+    parts = [HeadPartition.for_rank(heads, kv, tp, r) for r in range(tp)]
+    assert [(p.q_start, p.q_stop, p.kv_start, p.kv_stop) for p in parts] == expected
+
+
+@pytest.mark.parametrize(
     "heads, kv, tp, message",
     [
-        (6, 2, 4, r"tp_size=4 does not divide num_attention_heads \(6\)"),
-        (12, 3, 2, r"tp_size=2 and num_key_value_heads \(3\).*neither divides the other"),
+        (6, 2, 3, r"tp_size=3 and num_key_value_heads \(2\).*multiple of 2"),
+        (2, 1, 4, r"tp_size=4 is more than num_attention_heads \(2\)"),
         (6, 4, 2, r"num_key_value_heads \(4\) does not divide num_attention_heads \(6\)"),
     ],
 )
@@ -122,18 +146,54 @@ def test_injection_policy_errors_name_the_module():
         parallel.build_plan(model, 2, 0, injection_policy={"GPT2Block": ["attn.c_proj"]})
 
 
-def test_unsupported_pattern_names_the_module():
-    # OLMo-2 normalizes the full q/k projections: a column-split output cannot be normalized per rank
-    config = AutoConfig.for_model("olmo2", vocab_size=500, hidden_size=96, intermediate_size=136, num_hidden_layers=1,
-                                  num_attention_heads=6, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.[qk]_(proj|norm)"):
-        parallel.build_plan(model, 2, 0)
+def _tiny(model_type: str, **config):
+    config = AutoConfig.for_model(model_type, vocab_size=500, num_hidden_layers=1, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, **config)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_indivisible_heads_error_names_the_numbers():
-    with pytest.raises(ValueError, match=r"tp_size=4 does not divide num_attention_heads \(6\)"):
-        parallel.build_plan(build_tiny("opt"), 4, 0)
+def test_unsupported_pattern_names_the_reason():
+    mla = _tiny("deepseek_v2", hidden_size=96, intermediate_size=136, num_attention_heads=6, kv_lora_rank=16,
+                q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"multi-head latent attention \(kv_lora_rank=16\).*tp_size=1"):
+        parallel.build_plan(mla, 2, 0)
+
+
+def test_full_width_qk_norm_is_split_with_its_projection():
+    """OLMo-2 normalizes all of q (and k): the norm weights follow the head split and are marked for all-reduce."""
+    model = _tiny("olmo2", hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=1)
+    plan = parallel.build_plan(model, 2, 1)
+    attn = "model.layers.0.self_attn"
+    assert plan.norms == {f"{attn}.q_norm": (96, 1.0), f"{attn}.k_norm": (16, 0.5)}  # k: one kv head on both ranks
+    assert plan.shards[f"{attn}.q_norm.weight"].ranges == ((48, 96),)
+    assert plan.shards[f"{attn}.k_norm.weight"].ranges == ((0, 16),)
+
+
+def test_codegen_ranks_keep_a_share_of_every_qkv_chunk():
+    model = _tiny("codegen", n_embd=64, n_head=8, n_inner=136, rotary_dim=4, n_positions=64)  # head_dim 8
+    plan = parallel.build_plan(model, 2, 1)
+    qkv = plan.shards["transformer.h.0.attn.qkv_proj.weight"]
+    # 4 chunks of [q | v | k], 2 heads each: rank 1 keeps the second head of every part of every chunk
+    assert qkv.ranges == tuple((c * 48 + p * 16 + 8, c * 48 + p * 16 + 16) for c in range(4) for p in range(3))
+    assert plan.shards["transformer.h.0.attn.out_proj.weight"].ranges == tuple((c * 16 + 8, c * 16 + 16)
+                                                                                for c in range(4))
+    assert plan.local_heads["transformer.h.0.attn.out_proj"] == (4, 4)
+
+
+def test_bloom_splits_per_head_qkv_and_slices_alibi():
+    model = _tiny("bloom", hidden_size=96, n_head=6)
+    plan = parallel.build_plan(model, 2, 1)
+    assert plan.shards["transformer.h.0.self_attention.query_key_value.weight"].ranges == ((144, 288),)
+    assert plan.alibi["transformer.h.0.self_attention"] == (3, 6, 6)
+
+
+def test_uneven_heads_and_too_many_ranks():
+    opt = build_tiny("opt")  # 6 heads of 16, MHA
+    heads = [parallel.build_plan(opt, 4, r).local_heads["model.decoder.layers.0.self_attn.out_proj"] for r in range(4)]
+    assert heads == [(2, 2), (2, 2), (1, 1), (1, 1)]
+    with pytest.raises(ValueError, match=r"tp_size=8 and num_key_value_heads \(6\).*multiple of 6"):
+        parallel.build_plan(opt, 8, 0)
 
 
 def test_tp_without_a_launcher_says_how_to_launch(monkeypatch):

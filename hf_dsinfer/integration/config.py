@@ -21,6 +21,7 @@ import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 QUANT_METHOD = "dsinfer"
+AUTO = "auto"  # dtype / replace_with_kernel_inject: decided per model (see ``auto_dtype`` and docs/migration.md)
 
 # canonical name -> accepted spellings (torch dtypes are accepted too)
 _DTYPE_NAMES = {
@@ -30,11 +31,13 @@ _DTYPE_NAMES = {
 }
 _DTYPE_BY_SPELLING = {s: canon for canon, spellings in _DTYPE_NAMES.items() for s in spellings}
 
-# DeepSpeed's top-level fields and defaults.
+# DeepSpeed's top-level fields and defaults, except two defaults that give the fast path (docs/migration.md):
+# DeepSpeed has dtype="float16" (wrong and slow on CPU, a silent cast of bf16 checkpoints) and
+# replace_with_kernel_inject=False (HF's own layers, so nothing is faster until the user finds the switch).
 DEEPSPEED_FIELDS: dict[str, Any] = {
-    "dtype": "float16",
+    "dtype": AUTO,
     "tensor_parallel": None,  # -> TensorParallelConfig
-    "replace_with_kernel_inject": False,
+    "replace_with_kernel_inject": AUTO,
     "enable_cuda_graph": False,
     "injection_policy": None,
     "max_out_tokens": 1024,
@@ -54,6 +57,7 @@ DEEPSPEED_FIELDS: dict[str, Any] = {
 OWN_FIELDS: dict[str, Any] = {
     "cuda_graph_batch_sizes": None,  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_batch_size
     "max_batch_size": 8,  # rows of the static KV cache
+    "cpu_compile": True,  # CPU decode steps through torch.compile (one graph per batch bucket)
 }
 FIELDS = {**DEEPSPEED_FIELDS, **OWN_FIELDS}
 
@@ -67,12 +71,12 @@ ALIASES = {
 # DeepSpeed's deprecated top-level keys and where they moved (dotted path into a nested section).
 DEPRECATED = {"mp_size": "tensor_parallel.tp_size", "mpu": "tensor_parallel.mpu"}
 
-TP_FIELDS: dict[str, Any] = {"enabled": True, "tp_size": 1, "tp_grain_size": 1, "mpu": None, "tp_group": None}
+TP_FIELDS: dict[str, Any] = {"enabled": True, "tp_size": 1, "tp_grain_size": 64, "mpu": None, "tp_group": None}
 _TP_RUNTIME = ("mpu", "tp_group")  # process-group objects: kept in memory, never serialized
 
 _BOOL_FIELDS = (
-    "replace_with_kernel_inject",
     "enable_cuda_graph",
+    "cpu_compile",
     "keep_module_on_host",
     "use_triton",
     "triton_autotune",
@@ -85,8 +89,11 @@ _LOAD_OVERRIDE: contextvars.ContextVar[InferenceConfig | None] = contextvars.Con
 )
 
 
-def normalize_dtype(value: Any, key: str = "dtype") -> str:
-    """Return the canonical dtype name (``float16``, ``bfloat16``, ``float32``) for any accepted spelling."""
+def normalize_dtype(value: Any, key: str = "dtype", allow_auto: bool = False) -> str:
+    """Return the canonical dtype name (``float16``, ``bfloat16``, ``float32``) for any accepted spelling, or
+    ``"auto"`` when ``allow_auto`` and the value is ``"auto"``."""
+    if allow_auto and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
     if isinstance(value, torch.dtype):
         value = str(value)
     if isinstance(value, str):
@@ -95,8 +102,34 @@ def normalize_dtype(value: Any, key: str = "dtype") -> str:
             return canon
     if value in ("int8", torch.int8) or str(value) == "torch.int8":
         raise ValueError(f"{key}=int8 (weight quantization) is not supported yet; use fp16, bf16 or fp32.")
-    valid = ", ".join(sorted(_DTYPE_BY_SPELLING))
+    valid = ", ".join(sorted(_DTYPE_BY_SPELLING) + ([AUTO] if allow_auto else []))
     raise ValueError(f"{key}={value!r} is not a dtype hf_dsinfer knows; use one of: {valid} (or a torch dtype).")
+
+
+def auto_dtype(source: torch.dtype | str | None, device: torch.device | str | None) -> torch.dtype:
+    """What ``dtype="auto"`` means for a model whose weights are ``source`` and that runs on ``device``.
+
+    The checkpoint's (or built model's) dtype, with two exceptions that would otherwise give slow or failing runs:
+    fp16 on a CPU becomes fp32 (CPUs have no fast fp16 GEMMs and HF's fp16 CPU path is imprecise), and bf16 on a
+    GPU without bf16 becomes fp16. Each exception logs one info line. No source dtype (a model without floating
+    weights): torch's default dtype. One rule on every CPU, so results do not depend on the machine's ISA.
+    """
+    from ..log import logger
+
+    if isinstance(source, str):
+        source = getattr(torch, normalize_dtype(source))
+    dtype = source if source is not None and source.is_floating_point else torch.get_default_dtype()
+    kind = torch.device(device).type if device is not None else None
+    if kind == "cpu" and dtype == torch.float16:
+        logger.info(
+            "dtype='auto': the checkpoint is float16, which runs slowly on a CPU; using float32 "
+            "(set dtype='fp16' in the inference config to keep float16)."
+        )
+        return torch.float32
+    if kind == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        logger.info("dtype='auto': the checkpoint is bfloat16, which this GPU does not support; using float16.")
+        return torch.float16
+    return dtype
 
 
 def read_json_config(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
@@ -196,11 +229,14 @@ class InferenceConfig(QuantizationConfigMixin):
     fix. Accepted aliases: ``kernel_inject``, ``tp``, ``injection_dict``, ``max_tokens``, ``min_tokens``; the
     deprecated ``mp_size`` and ``mpu`` map into ``tensor_parallel`` with a ``FutureWarning``.
 
-    Fields (DeepSpeed's): ``dtype`` (default fp16), ``tensor_parallel`` (``tp_size``, ``tp_grain_size``, ``mpu``,
-    ``tp_group``), ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``injection_policy``, ``max_out_tokens``
+    Fields (DeepSpeed's): ``dtype`` (default ``"auto"``: the checkpoint's dtype, fp16 becomes fp32 on CPU; DeepSpeed's
+    is fp16), ``tensor_parallel`` (``tp_size``, ``tp_grain_size``, ``mpu``, ``tp_group``),
+    ``replace_with_kernel_inject`` (default ``"auto"``: fused layers where a policy exists, HF's modules elsewhere
+    with one warning; DeepSpeed's is False), ``enable_cuda_graph``, ``injection_policy``, ``max_out_tokens``
     (1024), ``min_out_tokens`` (1), ``checkpoint``, ``base_dir``, ``quant``, ``moe``, ``keep_module_on_host``,
     ``save_mp_checkpoint_path``, ``use_triton``, ``triton_autotune``, ``return_tuple``, ``training_mp_size``.
-    Ours: ``cuda_graph_batch_sizes`` (batch buckets captured as CUDA graphs), ``max_batch_size`` (KV cache rows).
+    Ours: ``cuda_graph_batch_sizes`` (batch buckets captured as CUDA graphs), ``max_batch_size`` (KV cache rows),
+    ``cpu_compile`` (on CPU, decode steps run as one ``torch.compile``-d graph per batch bucket).
     """
 
     def __init__(self, **kwargs: Any):
@@ -208,7 +244,9 @@ class InferenceConfig(QuantizationConfigMixin):
         values = self._canonical_keys(kwargs)
         merged = {**FIELDS, **values}
         self.quant_method = QUANT_METHOD
-        self.dtype = normalize_dtype(merged["dtype"])
+        self.dtype = normalize_dtype(merged["dtype"], allow_auto=True)
+        # dtype="auto" resolved against a model (``resolve_dtype``); kept out of to_dict so "auto" round-trips.
+        self._resolved_dtype: torch.dtype | None = None
         tp = merged["tensor_parallel"]
         if isinstance(tp, TensorParallelConfig):
             tp = copy.deepcopy(tp)
@@ -320,6 +358,14 @@ class InferenceConfig(QuantizationConfigMixin):
         for key in _BOOL_FIELDS:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be True or False, got {getattr(self, key)!r}.")
+        inject = self.replace_with_kernel_inject
+        if isinstance(inject, str) and inject.strip().lower() == AUTO:
+            self.replace_with_kernel_inject = AUTO
+        elif not isinstance(inject, bool):
+            raise ValueError(
+                f"replace_with_kernel_inject must be True, False or 'auto', got {inject!r} ('auto', the default, "
+                "injects fused layers where a policy exists and keeps HF's modules elsewhere)."
+            )
         for key in ("max_out_tokens", "min_out_tokens", "max_batch_size", "training_mp_size"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -364,8 +410,31 @@ class InferenceConfig(QuantizationConfigMixin):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """``dtype`` as a ``torch.dtype``."""
-        return getattr(torch, self.dtype)
+        """``dtype`` as a ``torch.dtype``; for ``dtype="auto"``, the dtype ``resolve_dtype`` chose."""
+        if self.dtype != AUTO:
+            return getattr(torch, self.dtype)
+        if self._resolved_dtype is None:
+            raise RuntimeError(
+                "InferenceConfig(dtype='auto') has not been applied to a model yet, so it has no torch dtype; "
+                "call config.resolve_dtype(model_dtype, device) or set dtype explicitly (fp16, bf16, fp32)."
+            )
+        return self._resolved_dtype
+
+    def resolve_dtype(self, source: torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
+        """The torch dtype a model whose weights are ``source`` runs in on ``device``, remembered on this config.
+
+        An explicit ``dtype`` wins; ``"auto"`` follows :func:`auto_dtype` (``device=None``: keep ``source`` as is,
+        for a dtype the user chose explicitly elsewhere, e.g. ``from_pretrained(..., dtype=...)``).
+        """
+        if self.dtype != AUTO:
+            return getattr(torch, self.dtype)
+        self._resolved_dtype = auto_dtype(source, device)
+        return self._resolved_dtype
+
+    @property
+    def injects(self) -> bool:
+        """True when fused layers are wanted (``replace_with_kernel_inject`` True or ``"auto"``)."""
+        return self.replace_with_kernel_inject is not False
 
     @property
     def tp_size(self) -> int:
@@ -402,4 +471,6 @@ class InferenceConfig(QuantizationConfigMixin):
         return self._field_values() == other._field_values()
 
     def __deepcopy__(self, memo: dict) -> InferenceConfig:
-        return InferenceConfig(**self._field_values())
+        out = InferenceConfig(**self._field_values())
+        out._resolved_dtype = self._resolved_dtype
+        return out

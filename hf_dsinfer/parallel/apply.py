@@ -14,9 +14,17 @@ from torch import nn
 
 from .autotp import TPPlan, build_plan, local_config
 from .groups import TPGroup
-from .layers import TP_ATTR, RowParallelLinear, make_vocab_parallel_embedding, make_vocab_parallel_head
+from .head_layouts import norm_eps
+from .layers import (
+    TP_ATTR,
+    FullWidthRMSNorm,
+    RowParallelLinear,
+    make_vocab_parallel_embedding,
+    make_vocab_parallel_head,
+    slice_alibi_per_rank,
+)
 from .rng import broadcast_rng_state, sync_rng_before_generate
-from .shard import Shard
+from .shard import DEFAULT_GRAIN, Shard
 
 PLAN_ATTR = "_dsinfer_tp_plan"
 GROUP_ATTR = "_dsinfer_tp_group"
@@ -72,6 +80,12 @@ def apply_plan(model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, RowParallelLinear.wrap(getattr(parent, child), tp))
+    for name, (full_width, share) in plan.norms.items():
+        parent_name, _, child = name.rpartition(".")
+        parent, norm = model.get_submodule(parent_name), model.get_submodule(name)
+        setattr(parent, child, FullWidthRMSNorm(norm.weight, norm_eps(norm), full_width, tp, share))
+    for name, (start, stop, heads) in plan.alibi.items():
+        slice_alibi_per_rank(model.get_submodule(name), start, stop, heads)
     for name, edits in plan.attrs.items():
         module = model.get_submodule(name)
         for attr, value in edits.items():
@@ -113,7 +127,7 @@ def finish(model: nn.Module, tp: TPGroup) -> None:
 
 
 def shard_model(
-    model: nn.Module, tp: TPGroup, grain: int = 1, injection_policy: dict[str, list[str]] | None = None
+    model: nn.Module, tp: TPGroup, grain: int = DEFAULT_GRAIN, injection_policy: dict[str, list[str]] | None = None
 ) -> nn.Module:
     """Split a built model (full weights on every rank) over ``tp`` in place (no-op when ``tp.size`` is 1)."""
     if tp.size == 1 or is_sharded(model):

@@ -6,7 +6,8 @@ For every decoder block (an element of an ``nn.ModuleList``) the output projecti
 column-parallel linears that feed it.
 
 * Attention groups split by KV-head groups (:class:`~.shard.HeadPartition`); fused qkv weights split per part.
-* MLP groups split the intermediate dim by the grain rule; fused ``[gate | up]`` splits each half.
+* MLP groups split the intermediate dim by the grain rule (remainder to the last rank); fused ``[gate | up]``
+  splits each half.
 * The word embedding and the LM head split along the vocab (tied weights get the same slice, so they stay tied).
 * Everything else (norms, position embeddings, projections outside blocks) is replicated.
 
@@ -23,7 +24,17 @@ from typing import Any
 
 from torch import nn
 
-from .shard import HeadPartition, Shard, concat_layout, even_shard, grouped_layout, halves_shard, select, split_sizes
+from .head_layouts import codegen_shards, fused_qkv_layout, norm_is_splittable, takes_alibi
+from .shard import (
+    DEFAULT_GRAIN,
+    HeadPartition,
+    Shard,
+    concat_layout,
+    even_shard,
+    halves_shard,
+    select,
+    split_sizes,
+)
 from .trace import ATTN, Trace, is_linear, is_norm, linear_dims, norm_width, trace_model
 
 # Module attributes HF attention code reads for head counts / widths, rewritten to the local values.
@@ -49,6 +60,9 @@ class TPPlan:
     config_overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> local config values
     # attention output projection -> (local q heads, local kv heads): what fused layers need to rebuild their spec
     local_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # full-width norms over a head-split projection (OLMo-2's q/k norm) -> (full width, 1 / copies of each element)
+    norms: dict[str, tuple[int, float]] = field(default_factory=dict)
+    alibi: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # attention -> (first head, stop, all heads)
 
 
 def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -83,25 +97,6 @@ def _head_counts(config: Any) -> tuple[int, int, int]:
         kv = 1 if getattr(config, "multi_query", False) else heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads, kv, head_dim
-
-
-def _fused_qkv_layout(model_type: str, config: Any, name: str, heads: int, kv: int, d: int) -> list:
-    """Segments of a fused qkv output dim, by architecture (its layout is not visible in the shapes)."""
-    split = concat_layout([("q", heads, d), ("k", kv, d), ("v", kv, d)])
-    if model_type in ("phi3", "gpt2", "gpt_bigcode"):
-        return split
-    if model_type == "gpt_neox":
-        return grouped_layout(heads, [("q", 1, d), ("k", 1, d), ("v", 1, d)])
-    if model_type == "falcon":
-        if getattr(config, "new_decoder_architecture", False):
-            return grouped_layout(kv, [("q", heads // kv, d), ("k", 1, d), ("v", 1, d)])
-        if getattr(config, "multi_query", False):
-            return split
-        return grouped_layout(heads, [("q", 1, d), ("k", 1, d), ("v", 1, d)])
-    raise ValueError(
-        f"AutoTP does not know the row layout of the fused qkv projection {name} ({model_type}); supported: phi3, "
-        "gpt2, gpt_bigcode, gpt_neox, falcon. Use a model with separate q/k/v projections or a kernel-injection policy."
-    )
 
 
 def _groups_by_name(block_name: str, block: nn.Module, rows: list[str]) -> dict[str, tuple[frozenset, bool]]:
@@ -155,16 +150,27 @@ def _block_groups(
             f"AutoTP: the output of {c} never reaches an output projection (it is consumed elsewhere, e.g. a router); "
             "it cannot be column-split. This architecture is not supported by AutoTP."
         )
-    for norm, taint in trace.norm_inputs.items():
+    return groups
+
+
+def _full_width_norms(block_name: str, block: nn.Module, trace: Trace | None, fed: set[str]) -> dict[str, str]:
+    """column-parallel linear -> the norm over its whole output (OLMo-2's q/k norm); raises for one it cannot split."""
+    out: dict[str, str] = {}
+    for norm, taint in (trace.norm_inputs.items() if trace is not None else ()):
         if not norm.startswith(block_name + "."):
             continue
+        module = dict_get(block, norm, block_name)
         for c in sorted(taint & fed):
-            if norm_width(dict_get(block, norm, block_name)) == linear_dims(dict_get(block, c, block_name))[1]:
+            if norm_width(module) != linear_dims(dict_get(block, c, block_name))[1]:
+                continue  # per-head norm (qk-norm of one head's width): replicated, works on any head split
+            if not norm_is_splittable(module) or c in out:
                 raise ValueError(
-                    f"AutoTP: {norm} normalizes the full output of {c}; a column-split output cannot be normalized "
-                    "per rank. This architecture is not supported by AutoTP."
+                    f"AutoTP: {norm} ({type(module).__name__}) normalizes the full output of {c}; only RMSNorms over "
+                    "one head-split projection can be split (their statistics are all-reduced). This architecture is "
+                    "not supported by AutoTP."
                 )
-    return groups
+            out[c] = norm
+    return out
 
 
 def dict_get(block: nn.Module, name: str, block_name: str) -> nn.Module:
@@ -188,8 +194,8 @@ def _set_linear(plan: TPPlan, name: str, module: nn.Module, shard_out: Shard | N
         plan.row_parallel.append(name)
 
 
-def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], part: HeadPartition, heads: int, kv: int,
-                     d: int) -> None:
+def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], local_heads: int, local_kv: int, heads: int,
+                     kv: int, d: int) -> None:
     """Rewrite head counts on every module from the group's common ancestor down to its linears."""
     common = names[0].split(".")
     for n in names[1:]:
@@ -204,7 +210,7 @@ def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], part: Hea
         pieces = n.split(".")
         for i in range(len(common), len(pieces)):
             paths.add(".".join(pieces[:i]))
-    local = {"heads": part.num_heads, "kv": part.num_kv_heads}
+    local = {"heads": local_heads, "kv": local_kv}
     for path in sorted(paths):
         module = model.get_submodule(path)
         edits = {}
@@ -239,13 +245,22 @@ def _forward_reads_config_heads(module: nn.Module) -> bool:
 
 
 def build_plan(
-    model: nn.Module, tp_size: int, rank: int, grain: int = 1, injection_policy: dict[str, list[str]] | None = None
+    model: nn.Module,
+    tp_size: int,
+    rank: int,
+    grain: int = DEFAULT_GRAIN,
+    injection_policy: dict[str, list[str]] | None = None,
 ) -> TPPlan:
     """The :class:`TPPlan` of rank ``rank`` out of ``tp_size`` for ``model`` (real or on meta); raises ``ValueError``
     naming the module or the numbers when the model cannot be split that way."""
     plan = TPPlan(tp_size, rank)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"{model_type} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): its compressed kv "
+            "projection is shared by all heads, and AutoTP does not split it. Run with tensor_parallel.tp_size=1."
+        )
     if getattr(config, "alibi", False):
         raise ValueError(f"{model_type} with alibi positions is not supported by AutoTP (alibi slopes are per head).")
     blocks = find_blocks(model)
@@ -267,24 +282,32 @@ def build_plan(
     if config is not None and hasattr(config, "num_attention_heads"):
         heads, kv, d = _head_counts(config)
     for block_name, block in blocks.items():
-        for row, (feeders, attention) in _block_groups(block_name, block, trace, rows_by_block[block_name]).items():
+        groups = _block_groups(block_name, block, trace, rows_by_block[block_name])
+        norms = _full_width_norms(block_name, block, trace, {c for feeders, _ in groups.values() for c in feeders})
+        for row, (feeders, attention) in groups.items():
             row_mod = model.get_submodule(row)
             row_in = linear_dims(row_mod)[0]
             feeders = sorted(feeders)
             if attention:
                 if heads is None:
                     raise ValueError(f"AutoTP: {row} follows attention but the config has no num_attention_heads.")
-                _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp_size, rank)
+                _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp_size, rank, norms)
             else:
+                if any(c in norms for c in feeders):
+                    raise ValueError(f"AutoTP: {norms[next(c for c in feeders if c in norms)]} normalizes the full "
+                                     f"output of an MLP projection of {row}; this pattern cannot be split.")
                 _plan_mlp(plan, model, row, row_in, feeders, tp_size, rank, grain)
-    _plan_vocab(plan, model, tp_size, rank)
+    _plan_vocab(plan, model, tp_size, rank, grain)
     return plan
 
 
-def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp, rank) -> None:
+def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp, rank, norms) -> None:
     row_in = linear_dims(model.get_submodule(row))[0]
     if row_in != heads * d:
         raise ValueError(f"AutoTP: {row} reads {row_in} features, expected num_heads*head_dim = {heads}*{d}.")
+    if model_type == "codegen":
+        _plan_codegen_attention(plan, model, row, feeders, heads, d, tp, rank)
+        return
     for c in feeders:
         out = linear_dims(model.get_submodule(c))[1]
         if out not in (heads * d, kv * d) and out % d == 0 and (out // d - heads) % 2 == 0:
@@ -299,15 +322,33 @@ def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d,
         elif out == kv * d:
             layout = concat_layout([("k", kv, d)])
         elif out == (heads + 2 * kv) * d:
-            layout = _fused_qkv_layout(model_type, config, c, heads, kv, d)
+            layout = fused_qkv_layout(model_type, config, c, heads, kv, d)
         else:
             raise ValueError(
                 f"AutoTP: {c} has {out} outputs, which is none of q ({heads}*{d}), k/v ({kv}*{d}) or fused qkv."
             )
         _set_linear(plan, c, module, select(layout, keep), None)
+        if c in norms:  # the norm's weight follows the projection's columns; its statistics are all-reduced
+            shard = select(layout, keep)
+            plan.shards[f"{norms[c]}.weight"] = shard
+            copies = tp // kv if layout[0][0] == "k" and kv < tp else 1  # replicated kv heads count once
+            plan.norms[norms[c]] = (out, 1.0 / copies)
     _set_linear(plan, row, model.get_submodule(row), None, select(concat_layout([("q", heads, d)]), keep, dim=0))
     plan.local_heads[row] = (part.num_heads, part.num_kv_heads)
-    _attention_edits(plan, model, feeders + [row], part, heads, kv, d)
+    _attention_edits(plan, model, feeders + [row], part.num_heads, part.num_kv_heads, heads, kv, d)
+    attention = row.rpartition(".")[0]
+    if takes_alibi(model.get_submodule(attention)):
+        plan.alibi[attention] = (part.q_start, part.q_stop, heads)
+
+
+def _plan_codegen_attention(plan, model, row, feeders, heads, d, tp, rank) -> None:
+    if len(feeders) != 1 or linear_dims(model.get_submodule(feeders[0]))[1] != 3 * heads * d:
+        raise ValueError(f"AutoTP: CodeGen attention {row} should be fed by one qkv_proj of {3 * heads * d} outputs.")
+    qkv, out, local = codegen_shards(heads, d, tp, rank, where=row.rpartition(".")[0])
+    _set_linear(plan, feeders[0], model.get_submodule(feeders[0]), qkv, None)
+    _set_linear(plan, row, model.get_submodule(row), None, out)
+    plan.local_heads[row] = (local, local)
+    _attention_edits(plan, model, feeders + [row], local, local, heads, heads, d)
 
 
 def _plan_mlp(plan, model, row, row_in, feeders, tp, rank, grain) -> None:
@@ -336,9 +377,8 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
     return None
 
 
-def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int) -> None:
-    # The vocab splits by single rows (grain 1): any vocab size works, pieces differ by at most one row.
-    grain = 1
+def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int, grain: int) -> None:
+    # The vocab follows the grain rule too (the last rank takes the rows left over): any vocab size works.
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     emb = _module_name(model, get_in() if get_in else None)

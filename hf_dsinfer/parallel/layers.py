@@ -93,3 +93,50 @@ def make_vocab_parallel_head(module: nn.Module, sizes: list[int], tp: TPGroup) -
         module.out_features = sizes[tp.rank]
     handles = [module.register_forward_hook(post_hook)]
     setattr(module, TP_ATTR, {"kind": "vocab_head", "sizes": sizes, "handles": handles})
+
+
+class FullWidthRMSNorm(nn.Module):
+    """An RMSNorm over a width split across the ranks (OLMo-2's q/k norm over all heads, split by heads).
+
+    ``weight`` is this rank's slice ``[width_local]``. The squares are summed locally, then over the ranks (one
+    all-reduce of ``[..., 1]``), and divided by the full width, so each rank scales its slice exactly as the unsplit
+    norm would. ``share`` is ``1 / copies`` where a slice is replicated on several ranks (kv heads when there are
+    fewer of them than ranks), so replicated elements count once. Arithmetic in fp32, weight applied before the cast
+    back, as OLMo-2's RMSNorm does.
+    """
+
+    def __init__(self, weight: nn.Parameter, eps: float, full_width: int, tp: TPGroup, share: float = 1.0):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+        self.full_width = full_width
+        self.share = share
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., width_local] -> [..., width_local]
+        dtype = x.dtype
+        x = x.float()
+        squares = x.pow(2).sum(-1, keepdim=True)  # [..., 1]
+        if self.share != 1.0:
+            squares = squares * self.share
+        all_reduce_(squares, self.tp)
+        x = x * torch.rsqrt(squares / self.full_width + self.eps)
+        return (self.weight * x).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"width={self.weight.shape[0]} (of {self.full_width}), eps={self.eps}, tp={self.tp.size}"
+
+
+def slice_alibi_per_rank(module: nn.Module, start: int, stop: int, heads: int) -> None:
+    """Give ``module`` (an attention taking ``alibi=[batch * heads, 1, keys]``) the rows of heads ``[start, stop)``."""
+
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        alibi = kwargs.get("alibi")
+        if alibi is not None:
+            rest = alibi.shape[1:]
+            kwargs["alibi"] = alibi.reshape(-1, heads, *rest)[:, start:stop].reshape(-1, *rest)
+        return args, kwargs
+
+    handle = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    setattr(module, TP_ATTR, {"kind": "alibi", "heads": (start, stop), "handles": [handle]})

@@ -26,7 +26,7 @@ from torch import nn
 from .apply import apply_plan, finish, parameter_groups
 from .autotp import TPPlan, build_plan
 from .groups import TPGroup, barrier
-from .shard import Shard
+from .shard import DEFAULT_GRAIN, Shard
 
 DESCRIPTION_KEYS = {
     "type", "checkpoints", "version", "base_dir", "tp_size", "parallelization", "dtype", "tp_grain_size"
@@ -218,7 +218,7 @@ def _files(desc: dict[str, Any], entries: list[str]) -> list[str]:
 
 
 def load_from_description(
-    model: nn.Module, desc: dict[str, Any], tp: TPGroup, grain: int = 1,
+    model: nn.Module, desc: dict[str, Any], tp: TPGroup, grain: int = DEFAULT_GRAIN,
     injection_policy: dict[str, list[str]] | None = None, device: torch.device | None = None,
 ) -> nn.Module:
     """Load a meta ``model`` from a checkpoint description: a TP-split one (``parallelization: "tp"``) reads this
@@ -250,7 +250,7 @@ def load_from_description(
 
 
 def load_pretrained_tp(
-    cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = 1,
+    cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = DEFAULT_GRAIN,
     injection_policy: dict[str, list[str]] | None = None, checkpoint: dict[str, Any] | None = None,
     attn_implementation: str | None = None, device: torch.device | None = None,
 ) -> nn.Module:
@@ -266,7 +266,9 @@ def load_pretrained_tp(
     return model
 
 
-def save_mp_checkpoint(model: nn.Module, tp: TPGroup, directory: str, dtype_name: str, grain: int = 1) -> str:
+def save_mp_checkpoint(
+    model: nn.Module, tp: TPGroup, directory: str, dtype_name: str, grain: int = DEFAULT_GRAIN
+) -> str:
     """Write this rank's slices (``tp_XX.safetensors``); rank 0 also writes the replicated tensors, config.json and
     the description ``ds_inference_config.json`` that a later start passes as ``checkpoint``. Returns its path."""
     plan: TPPlan = getattr(model, "_dsinfer_tp_plan", None) or TPPlan(1, 0)

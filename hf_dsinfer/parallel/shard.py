@@ -5,12 +5,16 @@ order. The same object cuts an in-memory tensor (:meth:`Shard.take`) and reads t
 file (:meth:`Shard.read`), so in-place sharding, per-rank sliced loading and the fused layers' TP plans (policies
 declare ``column`` / ``row`` / ``qkv`` / ``gate_up``) all share one set of rules:
 
-* **Heads** are never split: q heads must divide evenly over the ranks. Rank ``r`` keeps whole KV-head groups (its
-  kv heads and the q heads that attend to them). When there are fewer kv heads than ranks (``tp % num_kv_heads ==
-  0``), each kv head is replicated on the ``tp // num_kv_heads`` ranks whose q heads need it.
-* **Grain rule** for the MLP intermediate dim: it is cut into units of ``grain`` elements
-  (``tensor_parallel.tp_grain_size``, default 1); ``units // tp`` go to each rank and the first ``units % tp`` ranks
-  take one more. The dim must be a multiple of ``grain`` and hold at least ``tp`` units. The vocab uses grain 1.
+* **Heads** are never split, and KV-head groups stay whole. With at least as many kv heads as ranks, the kv heads
+  are dealt out like DeepSpeed does (``kv // tp`` each, one more for the first ``kv % tp`` ranks: 40 heads on 3 ranks
+  -> 14 / 13 / 13) and every rank keeps the q heads that attend to its kv heads. With fewer kv heads than ranks
+  (``tp % num_kv_heads == 0``), each kv head is replicated on ``tp // num_kv_heads`` ranks, which share its q heads
+  the same way.
+* **Grain rule** for the MLP intermediate dim and the vocab: the dim is cut into ``n // grain`` units of ``grain``
+  elements (``tensor_parallel.tp_grain_size``, default 64 like DeepSpeed); ``units // tp`` go to each rank, the first
+  ``units % tp`` ranks take one more, and the last rank also takes the ``n % grain`` left over. A dim too small to
+  give every rank one unit is split element by element. Any size works: vocab 50257 on 3 ranks -> 16768 / 16768 /
+  16721.
 * **Fused layouts** (``[q | k | v]``, per-head interleaved ``[q k v]``, ``[gate | up]``) are lists of segments; a
   rank keeps, in every segment, the units it would keep from the unfused tensor, so each part splits consistently.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 Ranges = tuple[tuple[int, int], ...]
+DEFAULT_GRAIN = 64  # tensor_parallel.tp_grain_size's default, DeepSpeed's: slices stay multiples of a GEMM tile
 
 
 @dataclass(frozen=True)
@@ -80,25 +85,27 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
 
 def split_units(n: int, tp: int, rank: int, grain: int = 1, what: str = "dimension") -> tuple[int, int]:
     """``[start, stop)`` of rank ``rank`` when ``n`` elements are split over ``tp`` ranks by the grain rule."""
-    if n % grain:
-        raise ValueError(
-            f"tensor_parallel.tp_grain_size={grain} does not divide {what} ({n}); use a grain size that divides {n}."
-        )
-    units = n // grain
-    if units < tp:
-        raise ValueError(
-            f"{what} ({n}) has {units} units of tp_grain_size={grain}, fewer than tp_size={tp}; lower tp_size or "
-            "tp_grain_size."
-        )
+    if n < tp:
+        raise ValueError(f"{what} ({n}) is smaller than tensor_parallel.tp_size={tp}; lower tp_size.")
+    if n // grain < tp:
+        grain = 1  # too few whole units to give every rank one: split element by element
+    units, leftover = divmod(n, grain)
     base, extra = divmod(units, tp)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
-    return start * grain, stop * grain
+    return start * grain, stop * grain + (leftover if rank == tp - 1 else 0)
 
 
 def split_sizes(n: int, tp: int, grain: int = 1, what: str = "dimension") -> list[int]:
     """Every rank's length under :func:`split_units` (rank order)."""
     return [b - a for a, b in (split_units(n, tp, r, grain, what) for r in range(tp))]
+
+
+def _deal(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``n`` whole items dealt over ``tp`` ranks: the first ``n % tp`` ranks get one more."""
+    base, extra = divmod(n, tp)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
 
 
 @dataclass(frozen=True)
@@ -120,30 +127,31 @@ class HeadPartition:
 
     @classmethod
     def for_rank(cls, num_heads: int, num_kv_heads: int, tp: int, rank: int, where: str = "") -> HeadPartition:
-        """Rank ``rank``'s heads; errors say which number does not divide which (``where`` names the module)."""
+        """Rank ``rank``'s heads; errors say which numbers do not fit together (``where`` names the module)."""
         at = f" in {where}" if where else ""
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_key_value_heads ({num_kv_heads}) does not divide num_attention_heads ({num_heads}){at}."
             )
-        if num_heads % tp:
-            raise ValueError(
-                f"tensor_parallel.tp_size={tp} does not divide num_attention_heads ({num_heads}){at}; use a tp_size "
-                f"that divides {num_heads}."
-            )
-        per_rank = num_heads // tp
-        if num_kv_heads % tp == 0:
-            kv_per_rank = num_kv_heads // tp
-            return cls(rank * per_rank, (rank + 1) * per_rank, rank * kv_per_rank, (rank + 1) * kv_per_rank)
+        group = num_heads // num_kv_heads  # q heads per kv head
+        if num_kv_heads >= tp:
+            kv_start, kv_stop = _deal(num_kv_heads, tp, rank)
+            return cls(kv_start * group, kv_stop * group, kv_start, kv_stop)
         if tp % num_kv_heads:
             raise ValueError(
-                f"tensor_parallel.tp_size={tp} and num_key_value_heads ({num_kv_heads}){at}: neither divides the "
-                f"other; kv heads can be split ({num_kv_heads} % tp == 0) or replicated (tp % {num_kv_heads} == 0)."
+                f"tensor_parallel.tp_size={tp} and num_key_value_heads ({num_kv_heads}){at}: with fewer kv heads than "
+                f"ranks, tp_size must be a multiple of {num_kv_heads} (each kv head is then replicated on "
+                f"tp_size / {num_kv_heads} ranks); use tp_size <= {num_kv_heads} or a multiple of it."
             )
-        # Fewer kv heads than ranks: this rank's q heads all sit in one kv group; keep (replicate) that kv head.
-        group = num_heads // num_kv_heads
-        kv = (rank * per_rank) // group
-        return cls(rank * per_rank, (rank + 1) * per_rank, kv, kv + 1)
+        sharers = tp // num_kv_heads  # ranks replicating one kv head, sharing its q heads
+        if group < sharers:
+            raise ValueError(
+                f"tensor_parallel.tp_size={tp} is more than num_attention_heads ({num_heads}){at}: some rank would "
+                f"hold no head; use tp_size <= {num_heads}."
+            )
+        kv = rank // sharers
+        q_start, q_stop = _deal(group, sharers, rank % sharers)
+        return cls(kv * group + q_start, kv * group + q_stop, kv, kv + 1)
 
     def keeps(self) -> dict[str, tuple[int, int]]:
         """Unit ranges per part name, for :func:`select`: q heads, and kv heads for ``k`` and ``v``."""

@@ -109,6 +109,17 @@ def _meta_twin(model: nn.Module) -> nn.Module:
         return type(model)._from_config(copy.deepcopy(model.config))
 
 
+def _normalizes_sibling_projection(norm: str, taint: frozenset[str], result: Trace) -> bool:
+    """True when the norm's input is only the output of linears in its own module (``self_attn.q_proj`` for
+    ``self_attn.q_norm``) that read the residual stream (no linear in their own input): a q/k norm, not a residual one.
+    """
+    parent = norm.rpartition(".")[0]
+    linears = [n for n in taint if n != ATTN]
+    return bool(linears) and all(
+        n.rpartition(".")[0] == parent and not result.linear_inputs.get(n, EMPTY) for n in linears
+    ) and len(linears) == len(taint)
+
+
 @torch.no_grad()
 def trace_model(model: nn.Module) -> Trace:
     """Run ``model`` (or its meta twin) once on 4 tokens and record the linears each linear and norm reads from."""
@@ -135,10 +146,11 @@ def trace_model(model: nn.Module) -> Trace:
 
             def post(mod, args, out, name=name, width=width):
                 # A norm over the full width reads the reduced residual stream: its output depends on no linear. A
-                # norm narrower than a linear feeding it (qk-norm per head) passes that linear's taint through.
+                # norm narrower than a linear feeding it (qk-norm per head), or one over the whole output of a sibling
+                # projection that reads the residual stream (OLMo-2's q/k norm), passes that linear's taint through.
                 taint = result.norm_inputs[name]
                 narrow = width is not None and any(out_width.get(n, 0) > width for n in taint)
-                mode.set(out, taint if narrow else EMPTY)
+                mode.set(out, taint if narrow or _normalizes_sibling_projection(name, taint, result) else EMPTY)
 
         else:
             continue
