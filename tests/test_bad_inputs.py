@@ -147,3 +147,11 @@ def test_hybrid_engine_names_a_bad_config_file(tmp_path):  # defect 4
     listed.write_text("[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object, got list"):
         hf_dsinfer.HybridEngine(model, inference_config=listed)
+
+
+@torch.no_grad()
+def test_absurd_max_out_tokens_names_the_memory_it_needs(batch, want):  # defect 5
+    model = build_tiny("llama")
+    with pytest.raises(MemoryError, match=r"max_out_tokens=10000000000 needs [\d.]+ GiB.*lower max_out_tokens"):
+        hf_dsinfer.init_inference(model, **FAST, max_out_tokens=10**10)
+    generates_like_hf(hf_dsinfer.init_inference(model, **FAST), batch, want)  # untouched: a corrected call works

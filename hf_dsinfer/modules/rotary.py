@@ -8,6 +8,27 @@ from torch import nn
 from hf_dsinfer.kernels import apply_rotary_
 from hf_dsinfer.kernels.backend import use_triton
 
+from .kv_cache import _device_free_bytes
+
+# fp32 [P, R/2] tensors alive at once while a table is built: freqs, cos, sin and a rounded copy of one of them.
+_TABLES_AT_PEAK = 4
+
+
+def _check_table_memory(max_positions: int, half_dim: int, device: torch.device) -> None:
+    """Raise ``MemoryError`` naming ``max_out_tokens`` when the cos/sin tables cannot fit the device.
+
+    The table has one row per position the static cache can hold, so an absurd ``max_out_tokens`` would otherwise
+    fail inside torch's allocator with no hint of which setting asked for the memory.
+    """
+    need = _TABLES_AT_PEAK * max_positions * half_dim * 4
+    free = _device_free_bytes(device)
+    if free is not None and need > free:
+        raise MemoryError(
+            f"The rotary table for max_out_tokens={max_positions} needs {need / 2**30:.2f} GiB on {device}, but only "
+            f"{free / 2**30:.2f} GiB are available; lower max_out_tokens in the inference config (it counts prompt "
+            "plus generated tokens)."
+        )
+
 
 class RotaryTable(nn.Module):
     """``cos``/``sin`` tables ``[max_positions, R/2]`` (fp32) and the in-place rotation of q and k.
@@ -41,6 +62,7 @@ class RotaryTable(nn.Module):
         dtype before rotating, so rounding the table the same way keeps half-precision results closer to HF's.
         """
         inv_freq = inv_freq.detach().float()  # [R/2]
+        _check_table_memory(max_positions, inv_freq.shape[0], inv_freq.device)
         pos = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)  # [P]
         freqs = pos[:, None] * inv_freq[None, :]  # [P, R/2]
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling

@@ -231,6 +231,9 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
                 f"(output is HF's) because {reason}."
             )
             return model
+    # Allocated before any layer is replaced: an absurd max_out_tokens must fail with the model untouched.
+    dtype = next(p.dtype for p in layers[0].parameters() if p.is_floating_point())
+    rotary = policy.rotary_table(model, max_tokens, dtype)
 
     for i, hf_layer in enumerate(layers):
         params: dict[str, nn.Parameter] = {}
@@ -258,8 +261,6 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         setattr(base.get_submodule(parent) if parent else base, attr, final_norm)
 
     _relayout_output_embeddings(model)
-    dtype = next(layers[0].parameters()).dtype
-    rotary = policy.rotary_table(model, max_tokens, dtype)
     cache = StaticKVCache(
         [s.attention.num_kv_heads for s in specs], [s.attention.head_dim for s in specs], max_tokens, max_batch
     )
