@@ -32,7 +32,8 @@ class HybridEngineCallback(TrainerCallback):
 
     Args:
         inference_config: as for :class:`~hf_dsinfer.HybridEngine` (dict, ``InferenceConfig``, JSON path or None).
-        release_inference_cache, refresh: passed to the engine.
+        release_inference_cache, refresh, config: passed to the engine (``config``: a DeepSpeed config or its
+            ``hybrid_engine`` section; with ``enabled=false`` nothing is routed and generation runs on the model).
         log_stats: add ``hybrid/refresh_ms``, ``hybrid/gather_ms``, ``hybrid/generate_ms``, ``hybrid/tokens_per_s``,
             ``hybrid/switches``, ``hybrid/train_ms`` and ``hybrid/e2e_ms`` to the Trainer's logs (means over the
             iterations since the previous log).
@@ -46,14 +47,15 @@ class HybridEngineCallback(TrainerCallback):
     def __init__(
         self,
         inference_config: Any = None,
-        release_inference_cache: bool = False,
+        release_inference_cache: bool | None = None,
         refresh: str = "always",
         log_stats: bool = True,
+        config: Any = None,
         **config_kwargs: Any,
     ):
         self.inference_config = inference_config
         self.engine_kwargs: dict[str, Any] = dict(
-            release_inference_cache=release_inference_cache, refresh=refresh, **config_kwargs
+            release_inference_cache=release_inference_cache, refresh=refresh, config=config, **config_kwargs
         )
         self.log_stats = log_stats
         self.engine: HybridEngine | None = None
@@ -75,7 +77,7 @@ class HybridEngineCallback(TrainerCallback):
         if self.engine is None or self.engine.training_model is not model:
             self.detach()
             self.engine = HybridEngine(model, self.inference_config, **self.engine_kwargs)
-        if not self._patched:
+        if not self._patched and self.engine.enabled:
             hf_model, peft_model = unwrap_training_model(model)
             targets = [m for m in (model, peft_model, hf_model) if m is not None]
             for target in dict.fromkeys(targets):  # unique, in order

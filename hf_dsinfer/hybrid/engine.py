@@ -23,7 +23,9 @@ from torch import nn
 
 from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
 from ..generation.loop import check_capacity
+from ..log import logger
 from ..policies import get_injection, inject
+from .config import read_hybrid_engine_config, section_inference_fields
 from .stats import HybridStats
 from .weights import TrainingWeights
 
@@ -83,12 +85,16 @@ class HybridEngine:
         inference_config: ``InferenceConfig``, dict, JSON path or None (defaults: training dtype, kernel injection
             on). ``config_kwargs`` are merged in as config fields.
         release_inference_cache: free the static KV cache (and any CUDA graphs that read it) whenever the engine
-            leaves inference mode; the next generation allocates and re-captures them. Saves memory for training at
-            the cost of that re-capture.
+            leaves inference mode (default: ``config``'s value, else False); the next generation allocates and
+            re-captures them. Saves memory for training at the cost of that re-capture.
         refresh: ``"always"`` (default) copies the weights at every ``eval()``; ``"auto"`` skips the copy when no
             tracked change happened (an optimizer step, an in-place update of a parameter, a change of active LoRA
             adapters). Writes through ``.data`` are not tracked: call :meth:`mark_dirty` after them.
         device: where the inference copy lives (default: the training weights' device).
+        config: a DeepSpeed config (dict or JSON path) or its ``hybrid_engine`` section: DeepSpeed's names and
+            defaults (:mod:`hf_dsinfer.hybrid.config`). ``max_out_tokens`` and ``inference_tp_size`` set the inference
+            config, ``release_inference_cache`` the argument of that name (when it is not given), ``enabled=false``
+            (DeepSpeed's default) builds no inference copy: ``generate`` runs on the training model.
         sampling: ``"fast"`` (default) samples in hf_dsinfer's loop: the same distribution as HF's ``generate`` but
             its own random stream (see docs/hybrid.md). ``"hf"`` runs sampled requests through transformers' own
             loop on the inference copy (fused layers, static cache): HF's processors and draws from torch's global
@@ -102,10 +108,11 @@ class HybridEngine:
         self,
         model: nn.Module,
         inference_config: Any = None,
-        release_inference_cache: bool = False,
+        release_inference_cache: bool | None = None,
         refresh: str = "always",
         device: torch.device | str | None = None,
         sampling: str = "fast",
+        config: Any = None,
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -121,6 +128,13 @@ class HybridEngine:
         first = _first_param(self.weights.hf_model)
         if first is None:
             raise ValueError("the training model has no parameters")
+        self.settings = read_hybrid_engine_config(config) if config is not None else None
+        if self.settings is not None:
+            config_kwargs = section_inference_fields(self.settings, inference_config, config_kwargs)
+            if release_inference_cache is None:
+                release_inference_cache = self.settings.release_inference_cache
+        # hybrid_engine.enabled=false (DeepSpeed's default): no inference copy, generate runs on the training model.
+        self.enabled = self.settings is None or self.settings.enabled
         self.config = resolve_inference_config(inference_config, config_kwargs, first.dtype)
         if self.config.tp_size > 1:
             raise ValueError(
@@ -130,7 +144,7 @@ class HybridEngine:
         if self.config.checkpoint is not None:
             raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
         self.device = torch.device(device) if device is not None else _local_device(first)
-        self.release_inference_cache = release_inference_cache
+        self.release_inference_cache = bool(release_inference_cache)
         self.refresh_policy = refresh
         self.stats = HybridStats()
         self._in_inference = False
@@ -141,7 +155,12 @@ class HybridEngine:
         self._dirty = True
         if refresh == "auto":
             _count_optimizer_steps()
-        self.module = self._build()
+        self.module: nn.Module | None = self._build() if self.enabled else None
+        if not self.enabled:
+            logger.warning(
+                "hf_dsinfer: hybrid_engine.enabled is false in the DeepSpeed config: no inference copy is built and "
+                'generate runs on the training model (HF\'s loop). Set "enabled": true to use the Hybrid Engine.'
+            )
 
     # -- building the inference copy --------------------------------------------------------------------------------
 
@@ -285,6 +304,8 @@ class HybridEngine:
 
     def refresh(self) -> None:
         """Copy the training weights into the inference buffers now (``eval()`` does this for you)."""
+        if self.module is None:
+            return
         self._refresh(self.module)
         self._fingerprint = self._current_fingerprint()
         self._dirty = False
@@ -316,7 +337,8 @@ class HybridEngine:
         self._mode_before = self.training_model.training
         self.training_model.eval()
         fingerprint = self._current_fingerprint()
-        if self.refresh_policy == "always" or self._dirty or fingerprint != self._fingerprint:
+        stale = self.refresh_policy == "always" or self._dirty or fingerprint != self._fingerprint
+        if self.module is not None and stale:
             self.weights.gather_s = 0.0
             t0 = self._now()
             self.refresh()
@@ -361,6 +383,8 @@ class HybridEngine:
 
     def release_cache(self) -> None:
         """Free the inference copy's static KV cache and drop CUDA graphs that read it (re-captured on next use)."""
+        if self.module is None:
+            return
         record = get_injection(self.module)
         if record is not None:
             record.runtime.cache.release()
@@ -385,7 +409,8 @@ class HybridEngine:
             with self.inference():
                 return self.generate(*args, **kwargs)
         hf = self.weights.hf_model
-        self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
+        if self.module is not None:
+            self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
         t0 = self._now()
         out = self._generate(args, kwargs)
         elapsed = self._now() - t0
@@ -403,7 +428,12 @@ class HybridEngine:
 
     def _generate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The inference copy's ``generate`` (hf_dsinfer's fast loop), or transformers' loop on the same copy for
-        sampled requests with ``sampling="hf"``."""
+        sampled requests with ``sampling="hf"``; the training model's own ``generate`` when the engine is disabled."""
+        if self.module is None:
+            # The class's generate: an instance-level one may be HybridEngineCallback's router, which calls us.
+            peft_model = self.weights.peft_model
+            target = peft_model if peft_model is not None else self.weights.hf_model
+            return type(target).generate(target, *args, **kwargs)
         state = getattr(self.module, GEN_ATTR, None)
         if self.sampling == "hf" and state is not None and self._samples(kwargs):
             width = _prompt_width(args, kwargs)
@@ -425,7 +455,7 @@ class HybridEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
         with torch.no_grad():
-            return self.module(*args, **kwargs)
+            return (self.module or self.weights.hf_model)(*args, **kwargs)
 
     @property
     def last_generate_stats(self) -> Any:
@@ -434,14 +464,16 @@ class HybridEngine:
             from ..generation.stats import last_generate_stats
         except ImportError:  # pragma: no cover
             return None
-        return last_generate_stats(self.module)
+        return last_generate_stats(self.module) if self.module is not None else None
 
     def buffer_pointers(self) -> dict[str, int]:
         """``{name: data_ptr}`` of the inference buffers (constant for the engine's lifetime)."""
-        return {n: p.data_ptr() for n, p in self.module.named_parameters()}
+        return {n: p.data_ptr() for n, p in self.module.named_parameters()} if self.module is not None else {}
 
     def __repr__(self) -> str:
         mode = "inference" if self._in_inference else "training"
+        if self.module is None:
+            return f"HybridEngine(disabled: generate runs on the training model, mode={mode}, {self.stats!r})"
         return (
             f"HybridEngine({type(self.module).__name__}, dtype={self.config.dtype}, "
             f"injected={get_injection(self.module) is not None}, mode={mode}, {self.stats!r})"
