@@ -10,6 +10,7 @@ The regression tests of issue 13's defects are marked ``# defect N``. Tiny model
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from tolerances import MODEL_LOGITS_TOL
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
+from hf_dsinfer.log import LOGGER_NAME
 
 NEW = 8  # new tokens per greedy check
 FAST = dict(dtype="fp32", replace_with_kernel_inject=True)  # explicit: the defaults ("auto") may change
@@ -155,3 +157,20 @@ def test_absurd_max_out_tokens_names_the_memory_it_needs(batch, want):  # defect
     with pytest.raises(MemoryError, match=r"max_out_tokens=10000000000 needs [\d.]+ GiB.*lower max_out_tokens"):
         hf_dsinfer.init_inference(model, **FAST, max_out_tokens=10**10)
     generates_like_hf(hf_dsinfer.init_inference(model, **FAST), batch, want)  # untouched: a corrected call works
+
+
+class NoConfigNet(torch.nn.Sequential):
+    """A module with no transformers config (DeepSpeed's config tests pass such modules to init_inference)."""
+
+
+@torch.no_grad()
+def test_module_without_hf_config_passes_through_with_one_warning(caplog):  # defect 6
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        for _ in range(2):
+            net = NoConfigNet(torch.nn.Linear(4, 4), torch.nn.ReLU())
+            torch.testing.assert_close(hf_dsinfer.init_inference(net, **FAST)(x), net(x), rtol=0, atol=0)
+        linear = torch.nn.Linear(4, 4)
+        torch.testing.assert_close(hf_dsinfer.init_inference(linear, **FAST)(x), linear(x), rtol=0, atol=0)
+    warned = [r.getMessage() for r in caplog.records if "NoConfigNet is not a transformers model" in r.getMessage()]
+    assert len(warned) == 1, warned

@@ -189,6 +189,13 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
     injection_policy = getattr(cfg, "injection_policy", None)
     if injection_policy:
         validate_injection_policy(model, injection_policy)
+    if getattr(model, "config", None) is None or not hasattr(model, "base_model"):
+        # Not a transformers model (DeepSpeed's own tests pass a bare nn.Linear): nothing to fuse, HF-style or not.
+        warn_once(
+            f"kernel injection: {type(model).__name__} is not a transformers model (it has no config); running its "
+            "own modules (output is the module's own)."
+        )
+        return model
     arch = f"{getattr(model.config, 'model_type', '?')} ({type(model).__name__})"
     policy = find_policy(model)
     if policy is None or not policy.serves(model):
