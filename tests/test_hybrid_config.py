@@ -89,3 +89,31 @@ def test_disabled_section_generates_on_the_training_model(caplog):
     callback.attach(model)
     assert "generate" not in model.__dict__, "a disabled engine routes nothing"
     callback.detach()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_memory_beyond_the_training_model(dtype):
+    """The engine holds one packed copy of the weights in the inference dtype plus the KV cache, nothing else; the
+    KV cache is freed after each generation with release_inference_cache=True."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_tiny("llama", seed=0)
+    elem = {"fp32": 4, "bf16": 2}[dtype]
+    plain = sum(p.numel() for p in base.parameters()) + sum(b.numel() for b in base.buffers())
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    settings = {"hybrid_engine": {"enabled": True, "max_out_tokens": 32, "release_inference_cache": True}}
+    he = HybridEngine(model, inference_config={"dtype": dtype, "max_batch_size": 2}, config=settings)
+    training_ptrs = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    assert not training_ptrs & {t.untyped_storage().data_ptr() for t in he.module.parameters()}
+    held = he.memory()
+    assert held["kv_cache"] == 0  # allocated at the first generation
+    # LoRA factors are fused away: the copy is the plain model's size in the inference dtype (rotary buffers kept fp32)
+    inv_freq = sum(b.numel() for b in base.buffers())
+    assert held["weights"] == (plain - inv_freq) * elem + inv_freq * 4
+    cfg = base.config
+    kv_expected = 2 * cfg.num_hidden_layers * 2 * 32 * cfg.num_key_value_heads * (cfg.hidden_size // 6) * elem
+    ids, mask = left_pad(prompts((5, 9)))
+    with he.inference():
+        he.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        assert he.memory()["kv_cache"] == kv_expected
+    assert he.memory()["kv_cache"] == 0, "release_inference_cache=True frees the cache after the generation"

@@ -466,6 +466,23 @@ class HybridEngine:
             return None
         return last_generate_stats(self.module) if self.module is not None else None
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds on top of the training model (none of it aliases a training tensor).
+
+        ``weights``: the inference copy's parameters and buffers (packed, LoRA fused in, inference dtype; tied
+        tensors once). ``kv_cache``: the static KV cache as allocated now (0 before the first generation and after
+        ``release_cache()``). CUDA graphs add a memory pool for their intermediates, dropped with the cache.
+        """
+        if self.module is None:
+            return {"weights": 0, "kv_cache": 0}
+        seen: dict[int, int] = {}
+        for t in (*self.module.parameters(), *self.module.buffers()):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        record = get_injection(self.module)
+        cache = record.runtime.cache if record is not None else None
+        kv = sum(t.untyped_storage().nbytes() for t in (*cache.keys, *cache.values)) if cache is not None else 0
+        return {"weights": sum(seen.values()), "kv_cache": kv}
+
     def buffer_pointers(self) -> dict[str, int]:
         """``{name: data_ptr}`` of the inference buffers (constant for the engine's lifetime)."""
         return {n: p.data_ptr() for n, p in self.module.named_parameters()} if self.module is not None else {}
