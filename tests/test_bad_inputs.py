@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+import transformers
 from tiny_models import build_tiny, left_pad, prompts, save_tiny
 from tolerances import MODEL_LOGITS_TOL
 from transformers import AutoModelForCausalLM
@@ -174,3 +175,17 @@ def test_module_without_hf_config_passes_through_with_one_warning(caplog):  # de
         torch.testing.assert_close(hf_dsinfer.init_inference(linear, **FAST)(x), linear(x), rtol=0, atol=0)
     warned = [r.getMessage() for r in caplog.records if "NoConfigNet is not a transformers model" in r.getMessage()]
     assert len(warned) == 1, warned
+
+
+@torch.no_grad()
+def test_meta_model_loaded_from_a_checkpoint_takes_the_config_dtype(tmp_path):  # defect 7
+    path = save_tiny("llama", tmp_path)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path), dtype=torch.float32)
+    desc = {"type": "ds_model", "checkpoints": ["model.safetensors"], "base_dir": path}
+    engine = hf_dsinfer.init_inference(meta, dtype="bf16", checkpoint=desc, replace_with_kernel_inject=False)
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    # the same as the built model given to init_inference (both cast with .to(dtype), rotary buffers included)
+    built = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = hf_dsinfer.init_inference(built, dtype="bf16", replace_with_kernel_inject=False)
+    torch.testing.assert_close(engine(IDS).logits, ref(IDS).logits, rtol=0, atol=0)

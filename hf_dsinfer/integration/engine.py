@@ -133,9 +133,9 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     from ..parallel import tp_requested
 
     if tp_requested(cfg.tensor_parallel) or cfg.checkpoint is not None:
-        # Split (or load) on the host first, so the device never holds the full model.
-        if not any(p.is_meta for p in model.parameters()):
-            model.to(dtype=cfg.torch_dtype)
+        # Split (or load) on the host first, so the device never holds the full model. A meta model is cast too: the
+        # loader materializes each parameter in the dtype its placeholder has.
+        model.to(dtype=cfg.torch_dtype)
         model = _apply(model, cfg)
         model.to(device=device)
         _save_in_hf_layout(model)
