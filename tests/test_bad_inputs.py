@@ -21,6 +21,7 @@ from tolerances import MODEL_LOGITS_TOL
 from transformers import AutoModelForCausalLM
 
 import hf_dsinfer
+from hf_dsinfer import parallel
 from hf_dsinfer.log import LOGGER_NAME
 
 NEW = 8  # new tokens per greedy check
@@ -189,3 +190,23 @@ def test_meta_model_loaded_from_a_checkpoint_takes_the_config_dtype(tmp_path):  
     built = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ref = hf_dsinfer.init_inference(built, dtype="bf16", replace_with_kernel_inject=False)
     torch.testing.assert_close(engine(IDS).logits, ref(IDS).logits, rtol=0, atol=0)
+
+
+# -- tensor parallelism (plans are built in one process; the 2-rank runs are in test_parallel.py) --------------------
+
+
+def _marian(**extra):
+    config = transformers.MarianConfig(
+        vocab_size=500, d_model=96, encoder_layers=1, decoder_layers=1, encoder_attention_heads=6,
+        decoder_attention_heads=6, encoder_ffn_dim=136, decoder_ffn_dim=136, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    return transformers.MarianMTModel(config).eval()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_tp_refuses_embeddings_it_cannot_split_exactly(shared):  # defect 8
+    """Marian ties separate embedding modules (the decoder's embed_tokens) to the vocab-split weight: refused."""
+    model = _marian(share_encoder_decoder_embeddings=shared)
+    with pytest.raises(ValueError, match=r"model\.decoder\.embed_tokens\.weight.*tensor_parallel\.tp_size=1"):
+        parallel.build_plan(model, 2, 0)

@@ -163,7 +163,8 @@ def _full_width_norms(block_name: str, block: nn.Module, trace: Trace | None, fe
         for c in sorted(taint & fed):
             if norm_width(module) != linear_dims(dict_get(block, c, block_name))[1]:
                 continue  # per-head norm (qk-norm of one head's width): replicated, works on any head split
-            if not norm_is_splittable(module) or c in out:
+            per_head = getattr(module, "weight", None) is not None and module.weight.dim() == 2  # cohere: [H, D]
+            if not (per_head or norm_is_splittable(module)) or c in out:
                 raise ValueError(
                     f"AutoTP: {norm} ({type(module).__name__}) normalizes the full output of {c}; only RMSNorms over "
                     "one head-split projection can be split (their statistics are all-reduced). This architecture is "
@@ -328,9 +329,13 @@ def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d,
                 f"AutoTP: {c} has {out} outputs, which is none of q ({heads}*{d}), k/v ({kv}*{d}) or fused qkv."
             )
         _set_linear(plan, c, module, select(layout, keep), None)
-        if c in norms:  # the norm's weight follows the projection's columns; its statistics are all-reduced
-            shard = select(layout, keep)
-            plan.shards[f"{norms[c]}.weight"] = shard
+        if c in norms:
+            weight = model.get_submodule(norms[c]).weight
+            if weight.dim() == 2:  # per-head statistics with per-head weights [H, D]: keep this rank's heads' rows
+                plan.shards[f"{norms[c]}.weight"] = Shard(0, (keep[layout[0][0]],), weight.shape[0])
+                continue
+            # a norm over the whole projection: its weight follows the columns, its statistics are all-reduced
+            plan.shards[f"{norms[c]}.weight"] = select(layout, keep)
             copies = tp // kv if layout[0][0] == "k" and kv < tp else 1  # replicated kv heads count once
             plan.norms[norms[c]] = (out, 1.0 / copies)
     _set_linear(plan, row, model.get_submodule(row), None, select(concat_layout([("q", heads, d)]), keep, dim=0))
@@ -396,6 +401,31 @@ def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int, grain: int) 
         if module.bias is not None:
             plan.shards[f"{head}.bias"] = shard
         plan.head = (head, split_sizes(vocab, tp, grain, "vocab_size"))
+    _check_vocab_users(model, [n for n in (emb if plan.embedding else None, head if plan.head else None) if n])
+
+
+def _check_vocab_users(model: nn.Module, split: list[str]) -> None:
+    """Raise when a module other than the vocab-parallel embedding / LM head holds one of their split weights.
+
+    Encoder-decoders such as Marian and BART tie separate ``nn.Embedding`` modules (``shared``, the decoder's
+    ``embed_tokens``) to the input embedding: after the split such a module would hold only this rank's rows but
+    look up every id (an ``IndexError``, or silently wrong rows). T5 shares one module object, which is fine.
+    """
+    owners = {id(model.get_submodule(n)) for n in split}
+    params = {id(p) for n in split for p in model.get_submodule(n).parameters(recurse=False)}
+    others = [
+        f"{name}.{pname}"
+        for name, module in model.named_modules()
+        if id(module) not in owners
+        for pname, p in module.named_parameters(recurse=False)
+        if id(p) in params
+    ]
+    if others:
+        raise ValueError(
+            f"AutoTP: {', '.join(others)} share the vocab-split weight of {' / '.join(split)} but are not "
+            "vocab-parallel, so each rank would look up ids in its own slice only. Tensor parallelism cannot split "
+            f"this {type(model).__name__} exactly; run it with tensor_parallel.tp_size=1."
+        )
 
 
 def local_config(config: Any, overrides: dict[str, int]) -> Any:
