@@ -61,8 +61,10 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     from .. import parallel
     from ..generation import install_generate
     from ..policies import get_injection
+    from ..policies.generic import get_generic
 
-    install_generate(model, cfg, get_injection(model))  # the fast generate loop (greedy/sampling), per instance
+    # the fast generate loop (greedy/sampling), per instance: fused layers, or HF's modules on the generic path
+    install_generate(model, cfg, get_injection(model) or get_generic(model))
     if is_tensor_parallel(model):
         # The fast loop samples on every rank from the same gathered logits: rank 0's RNG state must reach all.
         parallel.sync_rng_before_generate(model, model._dsinfer_tp_group)

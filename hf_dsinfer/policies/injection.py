@@ -200,6 +200,15 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
     policy = find_policy(model)
     if policy is None or not policy.serves(model):
         what = "no kernel-injection policy" if policy is None else f"{type(policy).__name__} has no fused path"
+        if policy is None and tp is None:  # HF's modules, attention on the static cache (policies/generic.py)
+            from .generic import install_generic
+
+            why_not = install_generic(model, cfg)
+            if why_not is None:
+                logger.info(f"kernel injection: no policy for {arch}; HF's modules with hf_dsinfer's static-cache "
+                            "attention (the generic path)")
+                return model
+            what += f" and no generic path ({why_not})"
         warn_once(
             f"replace_with_kernel_inject=True: {what} for architecture {arch}; running HF's own modules for it "
             "(output is HF's)."
