@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiling the CPU decode step costs seconds per model and bucket; tests that exercise it opt in with
+# monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1") (tests/test_compiled_decode.py).
+os.environ.setdefault("HF_DSINFER_CPU_COMPILE", "0")
 
 import pytest  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -48,7 +48,15 @@ class GenerationState:
         self.cfg = cfg
         self.runtime = runtime
         self.hf_generate = hf_generate  # transformers' generate, bound to the model
-        self.step = DecodeStep(model, runtime) if runtime is not None else None
+        self.step = None
+        if runtime is not None:
+            self.step = DecodeStep(
+                model,
+                runtime,
+                compile_cpu=bool(getattr(cfg, "cpu_compile", True)),
+                batch_sizes=getattr(cfg, "cuda_graph_batch_sizes", None),
+                max_batch_size=getattr(cfg, "max_batch_size", 8),
+            )
         self.graphs = None
         if self.step is not None and getattr(cfg, "enable_cuda_graph", False):
             self.graphs = DecodeGraphs(self.step, cfg.cuda_graph_batch_sizes, cfg.max_batch_size)

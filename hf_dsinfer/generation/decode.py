@@ -16,6 +16,7 @@ from torch import nn
 
 from ..log import logger
 from ..modules import StepContext
+from .compiled_cpu import CompiledCPUDecode
 from .graph_runner import GraphRunner, StaticInput, batch_buckets
 
 
@@ -25,26 +26,56 @@ class DecodeStep:
     Args:
         model: the top-level model (``*ForCausalLM``); its policy hooks receive it.
         runtime: the injection runtime (``policy``, ``layers``, ``final_norm``, ``rotary``, ``cache``).
+        compile_cpu: run CPU steps through :class:`CompiledCPUDecode` (``torch.compile``, one graph per batch bucket).
+        batch_sizes, max_batch_size: the batch buckets (see :func:`~.graph_runner.batch_buckets`).
     """
 
-    def __init__(self, model: nn.Module, runtime: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        runtime: Any,
+        compile_cpu: bool = False,
+        batch_sizes: list[int] | None = None,
+        max_batch_size: int = 8,
+    ):
         self.model = model
         self.runtime = runtime
         self.policy = runtime.policy
         self.cache = runtime.cache
         self.lm_head = model.get_output_embeddings()
         self._start: torch.Tensor | None = None
+        self.compiled: CompiledCPUDecode | None = None
+        if compile_cpu:
+            self.compiled = CompiledCPUDecode(self, batch_buckets(batch_sizes, max_batch_size))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids [B, 1]``, ``positions [B, 1]`` (int64, device) -> fp32 logits ``[B, V]``."""
+        """``input_ids [B, 1]``, ``positions [B, 1]`` (int64, device) -> fp32 logits ``[B, V]``.
+
+        On CPU with ``compile_cpu`` the step runs compiled (see :class:`CompiledCPUDecode`); otherwise eagerly.
+        """
+        if self.compiled is not None and self.compiled.applies(input_ids):
+            return self.compiled(input_ids=input_ids, positions=positions)
+        return self.eager(input_ids, positions)
+
+    def start_offsets(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Zero left-padding offsets ``[batch]`` int32, from a buffer allocated once (graph-safe: no allocation)."""
+        if self._start is None or self._start.shape[0] < batch or self._start.device != device:
+            self._start = torch.zeros(max(batch, self.cache.allocated_rows), dtype=torch.int32, device=device)
+        return self._start[:batch]
+
+    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, attend_len: int | None = None) -> torch.Tensor:
+        """The step in eager torch (also what :class:`CompiledCPUDecode` traces, with ``attend_len`` set).
+
+        ``attend_len``: a host-side bound on the cached lengths after this step; set, the attention layers store and
+        attend without host syncs over that many slots (see ``StepContext.attend_len``).
+        """
         rt, cache = self.runtime, self.cache
         batch = input_ids.shape[0]
         hidden = self.policy.embed(self.model, input_ids, positions)  # [B, 1, C]
-        if self._start is None or self._start.shape[0] < batch or self._start.device != input_ids.device:
-            self._start = torch.zeros(max(batch, cache.allocated_rows), dtype=torch.int32, device=input_ids.device)
-        start = self._start[:batch]  # [B]: a decode token is never padding
+        start = self.start_offsets(batch, input_ids.device)  # [B]: a decode token is never padding
         cache_lens = cache.lengths[:batch]  # [B] int32: tokens stored before this step
         ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), rt.rotary, cache_lens + 1)
+        ctx.attend_len = attend_len
         hidden = rt.run_layers(self.model, hidden, ctx)
         cache.lengths[:batch] += 1  # in place: a replayed graph advances the same tensor
         logits = self.lm_head(hidden[:, -1])  # [B, V]

@@ -1,0 +1,124 @@
+"""The CPU decode step compiled with ``torch.compile``: the CPU counterpart of the CUDA-graph runner.
+
+A decode step of a small model on CPU spends a third of its time in hundreds of tiny ops (views, casts, norms,
+rotary, the KV store) and in Python between them. :class:`CompiledCPUDecode` hands the whole step (embedding, every
+layer, final norm, LM head) to inductor's CPU backend, which fuses the elementwise work into generated C++ loops and
+leaves the GEMMs to oneDNN/MKL, so one call per step replaces the op-by-op dispatch.
+
+Shapes are kept stable so that one compiled graph serves every step of every ``generate`` call of a batch bucket:
+
+* the batch is padded to a bucket by a :class:`~.graph_runner.GraphRunner` (static input buffers, exactly as on
+  CUDA), so each bucket is compiled once and cached across calls;
+* the only length that changes per step, the number of cache slots attention reads, enters as the length of a
+  slice of a fixed ``arange`` marked dynamic (``torch._dynamo.mark_dynamic``), so it never triggers a recompile;
+* nothing inside reads a tensor on the host (the attention layers take their sync-free branch, see
+  ``StepContext.attend_len``).
+
+Weights are not frozen: the compiled graph reads the model's parameters on every call, so in-place weight updates
+(the Hybrid Engine's refresh) are seen by the next step. If compiling fails the step falls back to eager torch for
+good, with one warning. ``InferenceConfig.cpu_compile=False`` (or ``HF_DSINFER_CPU_COMPILE=0``) keeps the eager
+path, which is also the reference the compiled one is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_dsinfer.kernels.backend import get_backend
+
+from ..log import logger
+from .graph_runner import GraphRunner, StaticInput
+
+if TYPE_CHECKING:
+    from .decode import DecodeStep
+
+#: Process-wide switch: ``HF_DSINFER_CPU_COMPILE=0`` keeps every CPU decode step eager, whatever ``cpu_compile`` says
+#: (read on every step, like ``HF_DSINFER_BACKEND``; the test suite sets it, compiling costs seconds per model).
+ENV_VAR = "HF_DSINFER_CPU_COMPILE"
+
+
+def _has_collectives(runtime) -> bool:
+    """True when a fused linear all-reduces (tensor parallelism): such steps stay eager."""
+    return any(getattr(m, "reduce", None) is not None for m in runtime.layers.modules())
+
+
+class CompiledCPUDecode:
+    """Runs a :class:`~.decode.DecodeStep` on CPU as one ``torch.compile``-d graph per batch bucket.
+
+    Args:
+        step: the eager decode step; its :meth:`~.decode.DecodeStep.eager` is what gets compiled.
+        buckets: batch buckets (a batch above the largest one runs eagerly).
+    """
+
+    def __init__(self, step: DecodeStep, buckets: list[int]):
+        self.step = step
+        self.buckets = list(buckets)
+        self.runner: GraphRunner | None = None
+        self.failed = _has_collectives(step.runtime)
+        self._compiled = None
+        self._slots: torch.Tensor | None = None  # [S] arange: its slices carry the attended length as a shape
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds spent in its first (compiling) call
+
+    def applies(self, input_ids: torch.Tensor) -> bool:
+        """Whether this call runs compiled: CPU, torch kernels, not switched off, compiling has not failed."""
+        return (
+            not self.failed
+            and input_ids.device.type == "cpu"
+            and get_backend() != "triton"
+            and os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+        )
+
+    def _traced(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.step.eager(input_ids, positions, attend_len=slots.shape[0])
+
+    def _bucketed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The runner's step: ``input_ids``/``positions [bucket, 1]`` (views of its static buffers)."""
+        cache = self.step.cache
+        length = cache.padded_len + 1  # no row holds more tokens after this step (rows are stored compactly)
+        if self._slots is None or self._slots.shape[0] != cache.max_tokens:
+            self._slots = torch.arange(cache.max_tokens)
+        slots = self._slots[:length]
+        # maybe_: a length equal to the whole cache may still specialize (a full-buffer slice is contiguous).
+        torch._dynamo.maybe_mark_dynamic(slots, 0)
+        bucket = input_ids.shape[0]
+        self.step.start_offsets(bucket, input_ids.device)  # allocate outside the graph (no guard on a first call)
+        if bucket in self.compile_s:
+            return self._compiled(input_ids, positions, slots)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            # The kernels' backend switch is an lru_cache of a pure function of the environment variable (checked
+            # outside the graph by applies()), so dynamo tracing through the cache is exact.
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+            out = self._compiled(input_ids, positions, slots)
+        self.compile_s[bucket] = time.perf_counter() - t0
+        logger.info("hf_dsinfer: compiled the CPU decode step for batch %d in %.1f s", bucket, self.compile_s[bucket])
+        return out
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, 1]``, ``positions [B, 1]`` -> fp32 logits ``[B, V]`` (eager above the largest bucket)."""
+        if self.runner is None:
+            self._compiled = torch.compile(self._traced, fullgraph=True, dynamic=False)
+            inputs = {"input_ids": StaticInput((1,), torch.long, 0), "positions": StaticInput((1,), torch.long, 0)}
+            self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name="decode")
+        batch = input_ids.shape[0]
+        bucket = self.runner.bucket_for(batch)
+        if bucket is None or bucket > self.step.cache.allocated_rows:
+            return self.step.eager(input_ids, positions)
+        try:
+            return self.runner(input_ids=input_ids, positions=positions)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: eager torch computes the same step
+            if bucket in self.compile_s:
+                raise  # a bucket that already ran compiled: a real error, not a compiler failure
+            self.failed = True
+            logger.warning(
+                "hf_dsinfer: compiling the CPU decode step failed (%s: %s); decoding with eager torch instead "
+                "(set cpu_compile=False in the inference config to skip the attempt).",
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
+            return self.step.eager(input_ids, positions)

@@ -1,0 +1,124 @@
+"""The compiled CPU decode step (generation/compiled_cpu.py) against the eager step and HF's generate.
+
+Compiling costs seconds per model and bucket, so the suite runs with ``HF_DSINFER_CPU_COMPILE=0`` (conftest) and
+these tests switch it on; they use the smallest models that still cover GQA, padding buckets, sliding windows and
+soft-capping.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from tiny_models import PAD, left_pad, prompts, save_tiny
+from torch._dynamo.utils import counters
+
+from hf_dsinfer.generation.api import GEN_ATTR
+from hf_dsinfer.log import LOGGER_NAME
+
+INJECT = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens": 48, "max_batch_size": 4}
+
+
+@pytest.fixture
+def compile_on(monkeypatch):
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+
+
+def _load(name: str, tmp_path, **overrides):
+    path = save_tiny(name, tmp_path / name, num_hidden_layers=1, **overrides)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
+    return ref, opt
+
+
+def _gen(model, ids, mask, n=10, **kw):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=PAD,
+        **kw,
+    )
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_and_hf_without_recompiles(tmp_path, compile_on, monkeypatch):
+    ref, opt = _load("llama", tmp_path)  # GQA 3:1
+    compiled = getattr(opt, GEN_ATTR).step.compiled
+    ids, mask = left_pad(prompts())  # 3 left-padded rows: bucket 4, one pad row
+
+    graphs0 = _graphs()
+    out = _gen(opt, ids, mask, return_dict_in_generate=True, output_logits=True)
+    assert set(compiled.compile_s) == {4} and not compiled.failed
+    graphs1 = _graphs()
+    assert graphs1 > graphs0  # it did compile
+    # another call of the same bucket, with a longer prompt (other attended lengths): no new graph
+    longer = prompts((11, 4, 7), seed=1)
+    ids2, mask2 = left_pad(longer)
+    got2 = _gen(opt, ids2, mask2, n=14)
+    assert _graphs() == graphs1, "a second call of the same bucket recompiled the decode step"
+    assert compiled.runner.stats.replays >= 9 + 13
+
+    assert torch.equal(out.sequences, _gen(ref, ids, mask)), "compiled greedy tokens differ from HF"
+    assert torch.equal(got2, _gen(ref, ids2, mask2, n=14))
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "0")  # the eager step: the reference path
+    eager = _gen(opt, ids, mask, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(out.sequences, eager.sequences)
+    for a, b in zip(out.logits, eager.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    # a single row runs in its own bucket; the padded batch's rows equal their single runs
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    p = prompts()[0]
+    single = _gen(opt, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+    assert set(compiled.compile_s) == {1, 4}
+    assert torch.equal(single[0, len(p) :], out.sequences[0, ids.shape[1] :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_compiled_step_window_and_softcap(name, tmp_path, compile_on):
+    # mistral: sliding window 16 is passed during decoding; gemma2: attention soft-capping and sandwich norms
+    ref, opt = _load(name, tmp_path)
+    ids, mask = left_pad(prompts((12, 7)))
+    got = _gen(opt, ids, mask, n=16)
+    assert getattr(opt, GEN_ATTR).step.compiled.compile_s, "the decode step did not run compiled"
+    assert torch.equal(got, _gen(ref, ids, mask, n=16))
+
+
+def test_compile_failure_falls_back_with_one_warning(tmp_path, compile_on, monkeypatch, caplog):
+    import hf_dsinfer.generation.compiled_cpu as compiled_cpu
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler here")
+
+        return run
+
+    monkeypatch.setattr(compiled_cpu.torch, "compile", broken_compile)
+    ref, opt = _load("llama", tmp_path)
+    ids, mask = left_pad(prompts())
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        first = _gen(opt, ids, mask)
+        second = _gen(opt, ids, mask)
+    warnings = [r for r in caplog.records if "compiling the CPU decode step failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler here" in warnings[0].getMessage()
+    assert getattr(opt, GEN_ATTR).step.compiled.failed
+    want = _gen(ref, ids, mask)
+    assert torch.equal(first, want) and torch.equal(second, want)
+
+
+def test_config_switch_keeps_the_eager_step(tmp_path, compile_on):
+    path = save_tiny("llama", tmp_path / "m", num_hidden_layers=1)
+    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config={**INJECT, "cpu_compile": False})
+    assert getattr(opt, GEN_ATTR).step.compiled is None
+    with pytest.raises(ValueError, match="cpu_compile"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, inference_config={**INJECT, "cpu_compile": "yes"})
