@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 import hf_dsinfer
 from hf_dsinfer import parallel
 from hf_dsinfer.log import LOGGER_NAME
+from hf_dsinfer.parallel import autotp
 
 NEW = 8  # new tokens per greedy check
 FAST = dict(dtype="fp32", replace_with_kernel_inject=True)  # explicit: the defaults ("auto") may change
@@ -210,3 +211,49 @@ def test_tp_refuses_embeddings_it_cannot_split_exactly(shared):  # defect 8
     model = _marian(share_encoder_decoder_embeddings=shared)
     with pytest.raises(ValueError, match=r"model\.decoder\.embed_tokens\.weight.*tensor_parallel\.tp_size=1"):
         parallel.build_plan(model, 2, 0)
+
+
+def _t5():
+    config = transformers.T5Config(vocab_size=500, d_model=96, d_kv=16, d_ff=136, num_layers=1, num_decoder_layers=1,
+                                   num_heads=6, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def _roberta():
+    config = transformers.RobertaConfig(vocab_size=500, hidden_size=96, intermediate_size=136, num_hidden_layers=1,
+                                        num_attention_heads=6, pad_token_id=1, max_position_embeddings=64)
+    return transformers.RobertaModel(config).eval()
+
+
+# DeepSpeed's documented injection_policy examples, written as its users write them: T5 and RoBERTa
+T5_POLICY = {transformers.models.t5.modeling_t5.T5Block: ("SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo")}
+ROBERTA_POLICY = {transformers.models.roberta.modeling_roberta.RobertaLayer: ("output.dense",)}
+
+
+@torch.no_grad()
+def test_injection_policy_names_match_by_suffix_as_in_deepspeed():  # defect 9
+    roberta = _roberta()
+    cfg = hf_dsinfer.InferenceConfig(dtype="fp32", injection_policy=ROBERTA_POLICY)
+    traced = parallel.build_plan(roberta, 2, 0)
+    # "output.dense" selects both output projections of the layer, as in DeepSpeed: the plan the trace finds
+    assert parallel.build_plan(roberta, 2, 0, injection_policy=cfg.injection_policy).shards == traced.shards
+    llama = build_tiny("llama")
+    suffixes = {"LlamaDecoderLayer": ["o_proj", "down_proj"]}
+    assert parallel.build_plan(llama, 2, 1, injection_policy=suffixes).shards == parallel.build_plan(llama, 2, 1).shards
+    with pytest.raises(ValueError, match=r"'attention\.nope', which is not a linear layer of RobertaLayer"):
+        parallel.build_plan(roberta, 2, 0, injection_policy={"RobertaLayer": ["output.dense", "attention.nope"]})
+    # T5: names absent from some blocks (no EncDecAttention in the encoder) select what each block has
+    t5 = _t5()
+    blocks = {type(b).__name__ + n.split(".")[0]: b for n, b in autotp.find_blocks(t5).items()}
+    names = list(T5_POLICY.values())[0]
+    assert autotp.match_policy_names(blocks["T5Blockencoder"], names) == [
+        "layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"]  # fmt: skip
+    assert autotp.match_policy_names(blocks["T5Blockdecoder"], names) == [
+        "layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"]  # fmt: skip
+    # without tensor parallelism the names are validated the same way (fused layers where a policy exists)
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    for model, policy, inputs in ((t5, T5_POLICY, {"input_ids": ids, "decoder_input_ids": ids}),
+                                  (roberta, ROBERTA_POLICY, {"input_ids": ids})):  # fmt: skip
+        want = model(**inputs)[0]
+        engine = hf_dsinfer.init_inference(model, **FAST, injection_policy=policy)
+        torch.testing.assert_close(engine(**inputs)[0], want, **MODEL_LOGITS_TOL[torch.float32])

@@ -77,7 +77,8 @@ def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
     return {n: b for n, b in blocks.items() if not any(n.startswith(o + ".") for o in blocks if o != n)}
 
 
-def _policy_rows(block: nn.Module, injection_policy: dict[str, list[str]] | None) -> list[str] | None:
+def _policy_names(block: nn.Module, injection_policy: dict[str, list[str]] | None) -> list[str] | None:
+    """The names ``injection_policy`` gives for ``block``'s class, as written (None: the class is not named)."""
     if not injection_policy:
         return None
     cls = type(block)
@@ -85,6 +86,35 @@ def _policy_rows(block: nn.Module, injection_policy: dict[str, list[str]] | None
         if key in injection_policy:
             return injection_policy[key]
     return None
+
+
+def match_policy_names(block: nn.Module, names: list[str]) -> list[str]:
+    """The linears of ``block`` that ``names`` select, by DeepSpeed's rule: a name selects every linear whose path in
+    the block is that name or ends with ``"." + name`` (T5's ``"SelfAttention.o"`` is ``layer.0.SelfAttention.o``;
+    RoBERTa's ``"output.dense"`` is both ``output.dense`` and ``attention.output.dense``)."""
+    linears = [n for n, m in block.named_modules() if n and is_linear(m)]
+    return [n for n in linears if any(n == r or n.endswith("." + r) for r in names)]
+
+
+def _policy_rows(block: nn.Module, injection_policy: dict[str, list[str]] | None) -> list[str] | None:
+    names = _policy_names(block, injection_policy)
+    return None if names is None else match_policy_names(block, names)
+
+
+def _check_policy_names(blocks: dict[str, nn.Module], injection_policy: dict[str, list[str]] | None) -> None:
+    """Every name of ``injection_policy`` must select a linear in some block of its class (a name may be absent
+    from some blocks: T5's encoder blocks have no ``EncDecAttention``)."""
+    missing: dict[tuple[str, str], bool] = {}
+    for block in blocks.values():
+        for r in _policy_names(block, injection_policy) or ():
+            key = (type(block).__name__, r)
+            missing[key] = missing.get(key, True) and not match_policy_names(block, [r])
+    for (cls, r), absent in missing.items():
+        if absent:
+            raise ValueError(
+                f"injection_policy names {r!r}, which is not a linear layer of {cls} (a name selects the linears whose "
+                "path in the layer is the name or ends with it); name the layer's output projections."
+            )
 
 
 def _head_counts(config: Any) -> tuple[int, int, int]:
@@ -267,6 +297,7 @@ def build_plan(
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"AutoTP found no layer stack (nn.ModuleList of layers) in {type(model).__name__}.")
+    _check_policy_names(blocks, injection_policy)
     rows_by_block = {n: _policy_rows(b, injection_policy) for n, b in blocks.items()}
     if injection_policy and not any(r is not None for r in rows_by_block.values()):
         raise ValueError(

@@ -66,8 +66,9 @@ def _class_key(cls: type) -> str:
 def validate_injection_policy(model: nn.Module, injection_policy: dict[str, list[str]]) -> None:
     """Check DeepSpeed's ``injection_policy`` ({layer class: module names}) against ``model``.
 
-    Each key must name a module class present in the model (dotted or bare class name) and every name must be a
-    submodule of each instance of that class; errors name the class or the missing module.
+    Each key must name a module class present in the model (dotted or bare class name) and every name must select a
+    submodule of some instance of that class, by DeepSpeed's rule: its path in the layer is the name or ends with
+    ``"." + name`` (T5's ``"SelfAttention.o"``); errors name the class or the missing module.
     """
     instances: dict[str, list[nn.Module]] = {}
     for module in model.modules():
@@ -83,8 +84,9 @@ def validate_injection_policy(model: nn.Module, injection_policy: dict[str, list
                 f"its layer classes are: {', '.join(classes) or '(none)'}."
             )
         layer = found[0]
+        paths = {n for m in found for n, _ in m.named_modules() if n}
         for name in names:
-            if get_submodule_or_none(layer, name) is None:
+            if not any(p == name or p.endswith("." + name) for p in paths):
                 children = sorted(n for n, _ in layer.named_modules() if n)
                 raise ValueError(
                     f"injection_policy[{key!r}] names module {name!r}, which {type(layer).__name__} does not have; "
