@@ -213,4 +213,3 @@ def moe_gemm(
     if use_triton(a):
         return moe_gemm_triton(a, weight, counts, a_rows)
     return moe_gemm_torch(a, weight, counts, a_rows)
-

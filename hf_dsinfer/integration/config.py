@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .moe_config import MOE_TOP_LEVEL, MoEConfig, merge_top_level_moe_keys
+
 QUANT_METHOD = "dsinfer"
 AUTO = "auto"  # dtype / replace_with_kernel_inject: decided per model (see ``auto_dtype`` and docs/migration.md)
 
@@ -259,7 +261,9 @@ class InferenceConfig(QuantizationConfigMixin):
         self.tensor_parallel = tp
         for key in FIELDS:
             if key not in ("dtype", "tensor_parallel"):
-                setattr(self, key, copy.deepcopy(merged[key]))
+                # moe: parsed before the copy, so its process groups are shared, not deep-copied
+                value = MoEConfig.from_value(merged[key]) if key == "moe" else merged[key]
+                setattr(self, key, copy.deepcopy(value))
         self.injection_policy = _normalize_injection_policy(merged["injection_policy"])
         self.post_init()
 
@@ -271,7 +275,13 @@ class InferenceConfig(QuantizationConfigMixin):
         out: dict[str, Any] = {}
         given_as: dict[str, str] = {}  # canonical name -> the spelling the user used, for error messages
         tp_extra: dict[str, Any] = {}
+        moe_extra: dict[str, Any] = {}  # DeepSpeed's deprecated top-level MoE keys
         for key, value in kwargs.items():
+            if key in MOE_TOP_LEVEL:
+                new = f"moe.{MOE_TOP_LEVEL[key]}"
+                warnings.warn(f"{key} is deprecated; use {new} instead.", FutureWarning, stacklevel=4)
+                moe_extra[key] = value
+                continue
             if key in DEPRECATED:
                 section, sub = DEPRECATED[key].split(".")
                 warnings.warn(f"{key} is deprecated; use {DEPRECATED[key]} instead.", FutureWarning, stacklevel=4)
@@ -297,6 +307,7 @@ class InferenceConfig(QuantizationConfigMixin):
                     )
                 tp[sub] = value
             out["tensor_parallel"] = tp
+        merge_top_level_moe_keys(out, moe_extra)
         return out
 
     @classmethod
@@ -389,7 +400,8 @@ class InferenceConfig(QuantizationConfigMixin):
                 )
         if self.training_mp_size != 1:
             raise ValueError("training_mp_size other than 1 is not supported; reshard the checkpoint first.")
-        for key in ("quant", "moe"):
+        self.moe = MoEConfig.from_value(self.moe)  # DeepSpeed's moe section (integration/moe_config.py)
+        for key in ("quant",):
             v = getattr(self, key)
             if v in (None, {}, False):
                 setattr(self, key, None)
@@ -454,6 +466,7 @@ class InferenceConfig(QuantizationConfigMixin):
         """JSON-serializable dict (process groups left out), with ``quant_method``."""
         out = {k: copy.deepcopy(getattr(self, k)) for k in FIELDS if k != "tensor_parallel"}
         out["tensor_parallel"] = self.tensor_parallel.to_dict()
+        out["moe"] = self.moe.to_dict() if self.moe is not None else None
         out["quant_method"] = QUANT_METHOD
         return out
 
