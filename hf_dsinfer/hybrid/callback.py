@@ -7,8 +7,10 @@ weights. This covers
 * evaluation / prediction that generates (``Seq2SeqTrainer(predict_with_generate=True)``, or a ``prediction_step``
   that calls ``model.generate``): the engine switches in once, at the first ``generate`` of the evaluation, and back
   when the evaluation ends (``on_evaluate`` / ``on_predict``), so the weights are copied once per evaluation;
-* a user's own ``model.generate`` during a training step (e.g. in ``compute_loss``, RL-style): switched in for that
-  call and back right after it, with the training model back in the mode it had.
+* a user's own ``model.generate`` during a training step (e.g. in ``compute_loss``, RL-style), and TRL's rollouts
+  (GRPOTrainer / RLOOTrainer call ``generate`` inside ``training_step``, or ``generate_batch`` with
+  ``use_transformers_continuous_batching=True``, both routed): switched in for that call and back right after it,
+  with the training model back in the mode it had.
 
 Trainer has no "evaluation begins" event: ``control.should_evaluate`` at ``on_step_end`` / ``on_epoch_end`` marks it.
 The engine's timings are added to the Trainer's logs under ``hybrid/...`` (``on_log``).
@@ -37,7 +39,7 @@ class HybridEngineCallback(TrainerCallback):
         log_stats: add ``hybrid/refresh_ms``, ``hybrid/gather_ms``, ``hybrid/generate_ms``, ``hybrid/tokens_per_s``,
             ``hybrid/switches``, ``hybrid/train_ms`` and ``hybrid/e2e_ms`` to the Trainer's logs (means over the
             iterations since the previous log).
-        config_kwargs: more config fields.
+        config_kwargs: more config fields, or the engine's other arguments (``sampling="hf"``, ``device``).
 
     ``generate`` is routed from ``on_train_begin`` to ``on_train_end``; outside ``train()`` call :meth:`attach` /
     :meth:`detach` yourself. Logging integrations listed before this callback (``report_to``) do not see the
@@ -59,7 +61,8 @@ class HybridEngineCallback(TrainerCallback):
         )
         self.log_stats = log_stats
         self.engine: HybridEngine | None = None
-        self._patched: list[tuple[nn.Module, Any]] = []  # (module, its previous instance-level generate or _MISSING)
+        # (module, attribute, its previous instance-level value or _MISSING)
+        self._patched: list[tuple[nn.Module, str, Any]] = []
         self._eval_window = False  # an evaluation / prediction is about to run or running
         self._opened_by_window = False  # the engine entered inference mode for that evaluation
 
@@ -80,19 +83,20 @@ class HybridEngineCallback(TrainerCallback):
         if not self._patched and self.engine.enabled:
             hf_model, peft_model = unwrap_training_model(model)
             targets = [m for m in (model, peft_model, hf_model) if m is not None]
+            routes = {"generate": self._routed_generate, "generate_batch": self._routed_generate_batch}
             for target in dict.fromkeys(targets):  # unique, in order
-                previous = target.__dict__.get("generate", _MISSING)
-                target.generate = self._routed_generate
-                self._patched.append((target, previous))
+                for attr, route in routes.items():
+                    self._patched.append((target, attr, target.__dict__.get(attr, _MISSING)))
+                    setattr(target, attr, route)
         return self.engine
 
     def detach(self) -> None:
         """Give ``generate`` back to the model(s) and leave inference mode; the engine is kept for re-attaching."""
-        for target, previous in reversed(self._patched):
+        for target, attr, previous in reversed(self._patched):
             if previous is _MISSING:
-                target.__dict__.pop("generate", None)
+                target.__dict__.pop(attr, None)
             else:
-                target.generate = previous
+                setattr(target, attr, previous)
         self._patched = []
         if self.engine is not None and self.engine.in_inference:
             self.engine.restore()
@@ -100,16 +104,24 @@ class HybridEngineCallback(TrainerCallback):
 
     def _routed_generate(self, *args: Any, **kwargs: Any) -> Any:
         """Stands in for ``model.generate`` while attached."""
+        return self._route("generate", args, kwargs)
+
+    def _routed_generate_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Stands in for ``model.generate_batch`` (TRL's ``use_transformers_continuous_batching``) while attached."""
+        return self._route("generate_batch", args, kwargs)
+
+    def _route(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         he = self.engine
         assert he is not None
+        call = getattr(he, method)
         if he.in_inference:
-            return he.generate(*args, **kwargs)
+            return call(*args, **kwargs)
         if self._eval_window:  # one refresh for the whole evaluation; on_evaluate / on_predict switch back
             he.eval()
             self._opened_by_window = True
-            return he.generate(*args, **kwargs)
+            return call(*args, **kwargs)
         with he.inference():  # inside a training step: back to the training mode right after the call
-            return he.generate(*args, **kwargs)
+            return call(*args, **kwargs)
 
     def _close_window(self) -> None:
         if self._opened_by_window and self.engine is not None and self.engine.in_inference:

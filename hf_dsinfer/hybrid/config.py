@@ -16,8 +16,11 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+import torch
 
 from ..log import logger
 
@@ -156,3 +159,25 @@ def section_inference_fields(
             continue
         out.setdefault(key, value)
     return out
+
+
+def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], training_dtype: torch.dtype) -> Any:
+    """An ``InferenceConfig`` for the engine. Given as None, a dict or a JSON path, ``dtype`` defaults to the training
+    weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given."""
+    # Config parsing only; imported here because integration/ sits above hybrid/ in the layer order.
+    from ..integration.config import InferenceConfig, read_json_config
+
+    if isinstance(inference_config, InferenceConfig):
+        config = InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
+        config.resolve_dtype(training_dtype)  # dtype="auto" (the default): the training weights' dtype, as for a dict
+        return config
+    if isinstance(inference_config, (str, os.PathLike)):
+        inference_config = read_json_config(inference_config, "inference_config")  # errors name the file
+    raw = dict(inference_config or {})
+    keys = set(raw) | set(kwargs)
+    extra = dict(kwargs)
+    if "dtype" not in keys:
+        extra["dtype"] = training_dtype
+    if not keys & {"replace_with_kernel_inject", "kernel_inject"}:
+        extra["replace_with_kernel_inject"] = True
+    return InferenceConfig.from_any(raw, **extra)

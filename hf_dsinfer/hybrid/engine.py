@@ -12,9 +12,8 @@ state are never touched. See docs/hybrid.md.
 from __future__ import annotations
 
 import copy
-import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
 from ..generation.loop import check_capacity
 from ..log import logger
 from ..policies import get_injection, inject
-from .config import read_hybrid_engine_config, section_inference_fields
+from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
 from .stats import HybridStats
 from .weights import TrainingWeights
 
@@ -52,28 +51,6 @@ def _first_param(model: nn.Module) -> torch.Tensor | None:
 def _local_device(t: torch.Tensor) -> torch.device:
     to_local = getattr(t, "to_local", None)  # DTensor: the device of this rank's shard
     return to_local().device if callable(to_local) else t.device
-
-
-def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], training_dtype: torch.dtype) -> Any:
-    """An ``InferenceConfig`` for the engine. Given as None, a dict or a JSON path, ``dtype`` defaults to the training
-    weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given."""
-    # Config parsing only; imported here because integration/ sits above hybrid/ in the layer order.
-    from ..integration.config import InferenceConfig, read_json_config
-
-    if isinstance(inference_config, InferenceConfig):
-        config = InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
-        config.resolve_dtype(training_dtype)  # dtype="auto" (the default): the training weights' dtype, as for a dict
-        return config
-    if isinstance(inference_config, (str, os.PathLike)):
-        inference_config = read_json_config(inference_config, "inference_config")  # errors name the file
-    raw = dict(inference_config or {})
-    keys = set(raw) | set(kwargs)
-    extra = dict(kwargs)
-    if "dtype" not in keys:
-        extra["dtype"] = training_dtype
-    if not keys & {"replace_with_kernel_inject", "kernel_inject"}:
-        extra["replace_with_kernel_inject"] = True
-    return InferenceConfig.from_any(raw, **extra)
 
 
 class HybridEngine:
@@ -426,6 +403,13 @@ class HybridEngine:
                 it.new_tokens += seqs.shape[0] * max(0, seqs.shape[1] - width)
         return out
 
+    def generate_batch(self, inputs: list[list[int]], generation_config: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """transformers' ``generate_batch`` (continuous batching) API, run by the engine's ``generate`` on left-padded
+        batches (:mod:`hf_dsinfer.hybrid.batch`): ``{request_id: GenerationOutput}`` in transformers' order."""
+        from .batch import generate_batch
+
+        return generate_batch(self, inputs, generation_config, **kwargs)
+
     def _generate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The inference copy's ``generate`` (hf_dsinfer's fast loop), or transformers' loop on the same copy for
         sampled requests with ``sampling="hf"``; the training model's own ``generate`` when the engine is disabled."""
@@ -443,14 +427,27 @@ class HybridEngine:
                 )
                 check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
             return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
-        return self.module.generate(*args, **kwargs)
+        step = getattr(state, "step", None)
+        compiled = getattr(step, "compiled", None)
+        if compiled is None or not self._request_flag(kwargs, "disable_compile"):
+            return self.module.generate(*args, **kwargs)
+        # disable_compile=True (TRL sets it): no torch.compile for this request, hf_dsinfer's compiled decode included.
+        step.compiled = None
+        try:
+            return self.module.generate(*args, **kwargs)
+        finally:
+            step.compiled = compiled
+
+    def _request_flag(self, kwargs: dict[str, Any], name: str) -> bool:
+        """A generation flag of this request: from the call, else its generation config, else the model's."""
+        if name in kwargs:
+            return bool(kwargs[name])
+        config = kwargs.get("generation_config") or self.module.generation_config
+        return bool(getattr(config, name, False))
 
     def _samples(self, kwargs: dict[str, Any]) -> bool:
         """Whether this request samples (``do_sample`` from the call, its generation config, or the defaults)."""
-        if "do_sample" in kwargs:
-            return bool(kwargs["do_sample"])
-        config = kwargs.get("generation_config") or self.module.generation_config
-        return bool(getattr(config, "do_sample", False))
+        return self._request_flag(kwargs, "do_sample")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
