@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ._arch import attention_tiles, target_of
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
@@ -92,7 +93,7 @@ def _encoder_kernel(
 ):
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
-    b = bh // Hq
+    b = (bh // Hq).to(tl.int64)  # int64 offsets: b * stride_qb passes 2^31 for large batches
     h = bh % Hq
     kvh = h // G
     n_keys = tl.minimum(tl.load(lens_ptr + b), T)  # real keys of this row
@@ -102,11 +103,11 @@ def _encoder_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < D
     q_mask = (offs_m[:, None] < T) & d_mask[None, :]
-    b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask)
+    q = tl.load(q_ptr + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask,
+                other=0.0)
 
-    k_base = k_ptr + b64 * stride_kb + kvh * stride_kh
-    v_base = v_ptr + b64 * stride_vb + kvh * stride_vh
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -128,7 +129,7 @@ def _encoder_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row without real keys: acc is 0, the output zeros
     out = acc / l_safe[:, None]
-    out_offs = ((b64 * T + offs_m[:, None]) * Hq + h) * D + offs_d[None, :]
+    out_offs = ((b * T + offs_m[:, None]) * Hq + h) * D + offs_d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -146,14 +147,8 @@ def encoder_attention_triton(
     interp = interpreter_enabled() and not q.is_cuda
     if interp:
         BLOCK_M, BLOCK_N, num_warps, num_stages = 16, 16, 4, 1  # the interpreter's cost grows with program count
-    elif BLOCK_D <= 64:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 128, 64, 4, 3
-    elif BLOCK_D <= 128:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 128, 64, 8, 2
     else:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 64, 32, 4, 2
-    if q.dtype == torch.float32 and not interp:
-        BLOCK_M, BLOCK_N = min(BLOCK_M, 64 if BLOCK_D <= 128 else 32), min(BLOCK_N, 32)  # fp32 tiles: half the rows
+        BLOCK_M, BLOCK_N, num_warps, num_stages = attention_tiles(BLOCK_D, q.dtype, target_of(q))  # see _arch.py
     grid = (B * Hq, triton.cdiv(T, BLOCK_M))
     _encoder_kernel[grid](
         q, k, v, lens, out,

@@ -128,8 +128,10 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    b = tl.program_id(1)
+    # int64 from the start: b * stride_cb is past 2^31 for a cache of over 2G elements per layer (a 4 GiB bf16 one),
+    # and b * stride_kb + t * stride_kt can be for long prompts.
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     h0 = tl.program_id(2) * BLOCK_H
     first = tl.load(start_ptr + b).to(tl.int64)
     slot = tl.load(cache_lens_ptr + b).to(tl.int64) + t - first
@@ -144,8 +146,8 @@ def _store_kv_kernel(
     src_v = v_ptr + b * stride_vb + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst_k = k_cache_ptr + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     dst_v = v_cache_ptr + b * stride_vcb + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+    tl.store(dst_k, tl.load(src_k, mask=mask, other=0.0), mask=mask)
+    tl.store(dst_v, tl.load(src_v, mask=mask, other=0.0), mask=mask)
 
 
 def store_kv_triton(

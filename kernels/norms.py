@@ -127,13 +127,124 @@ def _layer_norm_kernel(
     tl.store(out_ptr + row * C + cols, cast_rne(y, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
 
 
-def _launch_config(C: int) -> tuple[int, int]:
-    """BLOCK and num_warps for a row of C elements: roughly 8 elements per thread (16-byte loads for half types)."""
+# Rows wider than this do not fit in registers (a 65536-wide row spills on sm_80 and sm_90 even with 16 warps): the
+# kernels below loop over chunks of _WIDE_BLOCK columns instead, reading the row once per pass.
+_MAX_ROW_BLOCK = 16384
+_WIDE_BLOCK = 4096
+
+
+@triton.jit
+def _rms_norm_wide_kernel(
+    x_ptr,  # [N, C] input rows (row stride stride_x, unit column stride)
+    res_ptr,  # [N, C] residual rows (read only when HAS_RESIDUAL)
+    w_ptr,  # [C] weight
+    out_ptr,  # [N, C] normalized output, contiguous
+    res_out_ptr,  # [N, C] x + residual, contiguous (written only when HAS_RESIDUAL)
+    stride_x,
+    stride_r,
+    C,
+    eps,
+    weight_offset,
+    HAS_RESIDUAL: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Same numerics as _rms_norm_kernel; pass 1 sums squares (and writes the rounded residual sum), pass 2 re-reads.
+    row = tl.program_id(0).to(tl.int64)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            s = cast_rne(x + r, res_out_ptr.dtype.element_ty, FIX_BF16)
+            tl.store(res_out_ptr + row * C + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        sq += x * x
+    inv = tl.rsqrt(tl.sum(sq, axis=0) / C + eps)
+    tl.debug_barrier()  # pass 2 reads the residual sum other threads of the block wrote
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        if HAS_RESIDUAL:
+            x = tl.load(res_out_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if CAST_BEFORE_WEIGHT:
+            y = cast_rne(x * inv, out_ptr.dtype.element_ty, FIX_BF16).to(tl.float32) * w
+        else:
+            y = x * inv * (w + weight_offset)
+        tl.store(out_ptr + row * C + cols, cast_rne(y, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
+
+
+@triton.jit
+def _layer_norm_wide_kernel(
+    x_ptr,  # [N, C] input rows (row stride stride_x, unit column stride)
+    res_ptr,  # [N, C] residual rows (read only when HAS_RESIDUAL)
+    w_ptr,  # [C] weight
+    b_ptr,  # [C] bias (read only when HAS_BIAS)
+    out_ptr,  # [N, C] normalized output, contiguous
+    res_out_ptr,  # [N, C] x + residual, contiguous (written only when HAS_RESIDUAL)
+    stride_x,
+    stride_r,
+    C,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Same numerics as _layer_norm_kernel (two-pass variance), in three passes over the row.
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_RESIDUAL:
+        src_ptr = res_out_ptr
+        stride_src = C
+    else:
+        src_ptr = x_ptr
+        stride_src = stride_x
+    total = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            s = cast_rne(x + r, res_out_ptr.dtype.element_ty, FIX_BF16)
+            tl.store(res_out_ptr + row * C + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        total += x
+    mean = tl.sum(total, axis=0) / C
+    tl.debug_barrier()  # later passes read the residual sum other threads of the block wrote
+    sq = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        xc = tl.where(mask, tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+        sq += xc * xc
+    inv = tl.rsqrt(tl.sum(sq, axis=0) / C + eps)
+    for c0 in range(0, C, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < C
+        x = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mean) * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * C + cols, cast_rne(y, out_ptr.dtype.element_ty, FIX_BF16), mask=mask)
+
+
+def _launch_config(C: int) -> tuple[int, int, bool]:
+    """BLOCK, num_warps and whether the row is too wide for registers (then BLOCK is a chunk of the loop kernels).
+
+    A row in registers gets roughly 8 elements per thread (16-byte loads for half types).
+    """
     block = triton.next_power_of_2(C)
-    if block > 65536:
-        raise ValueError(f"x has {C} columns; the fused norm keeps a row in registers and supports at most 65536")
+    if block > _MAX_ROW_BLOCK:
+        return _WIDE_BLOCK, 8, True
     num_warps = max(1, min(16, block // 256))
-    return block, num_warps
+    return block, num_warps, False
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -177,15 +288,17 @@ def _launch_norm(x, weight, bias, eps, residual, weight_offset, kind: str) -> No
     x2 = _as_rows(x)
     r2 = _as_rows(residual) if residual is not None else x2
     n_rows = x2.shape[0]
-    block, num_warps = _launch_config(C)
+    block, num_warps, wide = _launch_config(C)
     if kind == "rms":
-        _rms_norm_kernel[(n_rows,)](
+        kernel = _rms_norm_wide_kernel if wide else _rms_norm_kernel
+        kernel[(n_rows,)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), C, float(eps), float(weight_offset),
             HAS_RESIDUAL=residual is not None, CAST_BEFORE_WEIGHT=float(weight_offset) == 0.0,
             FIX_BF16=needs_bf16_fix(x.dtype), BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
     else:
-        _layer_norm_kernel[(n_rows,)](
+        kernel = _layer_norm_wide_kernel if wide else _layer_norm_kernel
+        kernel[(n_rows,)](
             x2, r2, weight, bias if bias is not None else weight, out, res_out, x2.stride(0), r2.stride(0), C,
             float(eps), HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
             FIX_BF16=needs_bf16_fix(x.dtype), BLOCK=block, num_warps=num_warps,

@@ -149,6 +149,26 @@ def test_fused_residual_equals_add_then_norm(device):
     assert new_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_wide_rows_loop_over_chunks(monkeypatch, device, dtype, with_residual):
+    # Rows too wide for registers take the chunked kernels; shrink the limits so a small row exercises them.
+    monkeypatch.setattr(norms, "_MAX_ROW_BLOCK", 64)
+    monkeypatch.setattr(norms, "_WIDE_BLOCK", 32)
+    assert norms._launch_config(200)[2]
+    x, res, w, b = _inputs((3, 200), dtype, device, seed=2)
+    residual = res if with_residual else None
+    for got, want in (
+        (rms_norm_triton(x, w, 1e-6, residual), rms_norm_torch(x, w, 1e-6, residual)),
+        (rms_norm_triton(x, w, 1e-6, residual, 1.0), rms_norm_torch(x, w, 1e-6, residual, 1.0)),
+        (layer_norm_triton(x, w, b, 1e-5, residual), layer_norm_torch(x, w, b, 1e-5, residual)),
+    ):
+        if with_residual:
+            torch.testing.assert_close(got[1], x + res, atol=0, rtol=0)
+            got, want = got[0], want[0]
+        assert_close(got, want)
+
+
 def test_launchers_reject_bad_arguments(device):
     x = torch.randn(4, 32, device=device)
     w = torch.randn(32, device=device)
