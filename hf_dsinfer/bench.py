@@ -33,6 +33,9 @@ _COMMON = dict(bos_token_id=1, eos_token_id=None, pad_token_id=0)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)),
+    # no kernel-injection policy: hf_dsinfer runs it on the generic path (HF's modules, static-cache attention)
+    "smollm3-tiny": ("smollm3", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)),
     "small": ("llama", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)),
     "llama2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -6,6 +6,7 @@ fp32 tolerance, greedy tokens identical, each row of a left-padded batch identic
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from tiny_models import PAD, left_pad, prompts
@@ -25,6 +26,9 @@ _COMMON = dict(vocab_size=500, num_hidden_layers=2, max_position_embeddings=256,
 CONFIGS = {
     "smollm3": dict(no_rope_layer_interval=2),
     "gemma3_text": dict(head_dim=16, sliding_window=4, final_logit_softcapping=30.0, layer_types=None),
+    "ministral": dict(sliding_window=4, head_dim=16),
+    "phi": dict(partial_rotary_factor=0.5),
+    "olmo3": dict(sliding_window=4),
 }
 
 
@@ -70,6 +74,17 @@ def test_model_without_policy_takes_the_generic_path(tmp_path):
 @torch.no_grad()
 def test_sliding_layers_and_logit_softcap_on_the_generic_path():
     ref, model = _pair("gemma3_text")
+    cfg = hf_dsinfer.InferenceConfig(dtype="fp32", max_out_tokens=64)
+    assert install_generic(model, cfg) is None
+    install_generate(model, cfg, get_generic(model))
+    _check_matches_hf(ref, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["ministral", "phi", "olmo3"])
+@torch.no_grad()
+def test_more_families_without_policy_match_hf(model_type):
+    ref, model = _pair(model_type)
     cfg = hf_dsinfer.InferenceConfig(dtype="fp32", max_out_tokens=64)
     assert install_generic(model, cfg) is None
     install_generate(model, cfg, get_generic(model))

@@ -91,6 +91,7 @@ def tp_layout(model: nn.Module):
         column_parallel=frozenset(plan.column_parallel),
         reduce=lambda t: all_reduce_(t, group),
         config=config,
+        split_norms=frozenset(plan.norms),
     )
 
 

@@ -244,3 +244,18 @@ def install_generic(model: nn.Module, cfg: Any) -> str | None:
 def get_generic(model: nn.Module) -> GenericRecord | None:
     """The generic-path record of ``model``, or None."""
     return getattr(model, GENERIC_ATTR, None)
+
+
+def inference_path(model_type: str) -> str:
+    """The path a causal LM of ``model_type`` takes by default, for docs tables: ``"fused"`` (a kernel-injection
+    policy), ``"generic"`` (HF's modules, static-cache attention; still checked per model at load) or ``"hf"``."""
+    from . import POLICIES
+
+    if model_type in POLICIES:
+        return "fused"
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return "generic" if cls is not None and getattr(cls, "_supports_attention_backend", False) else "hf"

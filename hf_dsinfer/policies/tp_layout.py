@@ -33,7 +33,7 @@ class TPLayout:
     ``heads``: attention output projection (module path) -> ``(local q heads, local kv heads)``. ``row_parallel`` /
     ``column_parallel``: module paths AutoTP split by input / output features. ``reduce``: the in-place sum over
     the ranks (row-parallel linears apply it before their bias). ``config``: the model config with this rank's head
-    counts (None: keep the model's own).
+    counts (None: keep the model's own). ``split_norms``: norm modules AutoTP split with all-reduced statistics.
     """
 
     heads: dict[str, tuple[int, int]]
@@ -41,6 +41,8 @@ class TPLayout:
     column_parallel: frozenset[str]
     reduce: Callable[[torch.Tensor], torch.Tensor]
     config: Any = None
+    # norms over a whole head-split projection whose statistics AutoTP all-reduces (OLMo-2's q/k norm)
+    split_norms: frozenset[str] = frozenset()
 
     @contextmanager
     def local_config(self, model: nn.Module) -> Iterator[None]:
@@ -82,6 +84,12 @@ class TPLayout:
         stray = sorted(m for m in self.row_parallel if m.startswith(path + ".") and m not in fused_rows)
         if stray:
             return f"layer {i} has row-parallel modules the fused layer does not reduce: {', '.join(stray)}"
+        norms = sorted(n for n in self.split_norms if n.startswith(path + "."))
+        if norms:
+            return (
+                f"layer {i} normalizes over all heads ({norms[0]}), which tensor parallelism splits with all-reduced "
+                "statistics; the fused layer would normalize this rank's heads only"
+            )
         (o_proj,) = sources["attn.o.weight"]
         local = self.heads.get(o_proj)
         a = spec.attention
