@@ -46,14 +46,14 @@ def check_supported(cfg: InferenceConfig) -> None:
 def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     """Apply ``cfg`` to a model whose weights are loaded, in place; returns the model.
 
-    Records the config, sets eval mode and, with ``replace_with_kernel_inject=True``, validates a user
+    Records the config, sets eval mode and, with ``replace_with_kernel_inject`` True or ``"auto"``, validates a user
     ``injection_policy`` and swaps in fused layers (``hf_dsinfer.policies.inject``). Models without a policy keep
     HF's own modules (one warning), so their output is HF's.
     """
     setattr(model, CONFIG_ATTR, cfg)
     model.eval()
     apply_tensor_parallel(model, cfg)
-    if cfg.replace_with_kernel_inject:
+    if cfg.injects:  # True or "auto" (the default): same path; no policy -> HF's modules, one warning
         from ..policies import inject
 
         # validates injection_policy too; models without a policy warn once; a TP-split model injects per rank
@@ -122,7 +122,9 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
         elif tp.size > 1:
             parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy)
     if cfg.save_mp_checkpoint_path is not None:
-        parallel.save_mp_checkpoint(model, tp, cfg.save_mp_checkpoint_path, cfg.dtype, tp_cfg.tp_grain_size)
+        parallel.save_mp_checkpoint(
+            model, tp, cfg.save_mp_checkpoint_path, str(cfg.torch_dtype).removeprefix("torch."), tp_cfg.tp_grain_size
+        )
 
 
 def get_inference_config(model: nn.Module) -> InferenceConfig | None:

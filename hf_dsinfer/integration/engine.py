@@ -125,6 +125,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     check_supported(cfg)
     first = next(model.parameters(), None)
     device = (first.device if first is not None else torch.device("cpu")) if cfg.keep_module_on_host else local_device()
+    floating = next((p for p in model.parameters() if p.is_floating_point()), None)
+    cfg.resolve_dtype(floating.dtype if floating is not None else None, device)  # dtype="auto": the model's own
     check_dtype_supported(cfg.torch_dtype, device)
     applied = getattr(model, CONFIG_ATTR, None)
     if applied is not None:  # optimized before (init_inference or from_pretrained): only the same settings are a no-op

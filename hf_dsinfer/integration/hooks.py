@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .config import _LOAD_OVERRIDE, QUANT_METHOD, InferenceConfig, normalize_dtype
+from .config import _LOAD_OVERRIDE, AUTO, QUANT_METHOD, InferenceConfig, normalize_dtype
 from .quantizer import DsInferQuantizer
 
 _HOOK_FLAG = "_hf_dsinfer_hook"
@@ -80,8 +81,13 @@ def load_with_inference_config(
     cfg = kwargs.get("quantization_config")
     if not isinstance(cfg, InferenceConfig):
         return original(cls, *args, **kwargs)
+    # A private copy: resolving dtype="auto" for this checkpoint must not leak into the caller's object.
+    cfg = kwargs["quantization_config"] = copy.deepcopy(cfg)
+    cfg._resolved_dtype = None  # decided again for this load (the object may have served another model)
     explicit = _explicit_dtype(kwargs)
-    if explicit is not None and explicit != cfg.dtype:
+    if explicit is not None and cfg.dtype == AUTO:
+        cfg.resolve_dtype(getattr(torch, explicit))  # the user's `dtype=` decides "auto", as given
+    elif explicit is not None and explicit != cfg.dtype:
         raise ValueError(
             f"from_pretrained got dtype={explicit!r} but the inference config says dtype={cfg.dtype!r}; set the "
             "dtype in one place (the inference config's `dtype`)."
@@ -142,10 +148,13 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
     if config is None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     desc = parallel.read_description(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint is not None else None
+    device = torch.device("cpu") if cfg.keep_module_on_host else local_device()
+    if cfg.dtype == AUTO and cfg._resolved_dtype is None:
+        cfg.resolve_dtype(getattr(config, "dtype", None), device)  # config.json's dtype, as transformers reads it
     model = parallel.load_pretrained_tp(
         cls, path, config, parallel.tp_group_from_config(cfg.tensor_parallel), cfg.torch_dtype,
         grain=cfg.tensor_parallel.tp_grain_size, injection_policy=cfg.injection_policy, checkpoint=desc,
-        attn_implementation=attn, device=torch.device("cpu") if cfg.keep_module_on_host else local_device(),
+        attn_implementation=attn, device=device,
     )
     model.config.name_or_path = path
     if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):

@@ -17,7 +17,7 @@ import torch
 from transformers.quantizers.base import HfQuantizer
 
 from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
-from .config import InferenceConfig
+from .config import AUTO, InferenceConfig
 
 
 class DsInferQuantizer(HfQuantizer):
@@ -32,12 +32,20 @@ class DsInferQuantizer(HfQuantizer):
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         cfg = self.quantization_config
         check_supported(cfg)
-        device = torch.device("cpu") if cfg.keep_module_on_host else local_device()
-        check_dtype_supported(cfg.torch_dtype, device)
+        if cfg.dtype != AUTO:  # "auto" is resolved in update_dtype, to a dtype the device supports
+            check_dtype_supported(cfg.torch_dtype, self._device())
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self.quantization_config.keep_module_on_host else local_device()
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # The config's dtype wins; the from_pretrained hook has already rejected an explicit conflicting `dtype=`.
-        return self.quantization_config.torch_dtype
+        # An explicit config dtype wins (the from_pretrained hook has already rejected a conflicting `dtype=`).
+        # "auto": transformers passes the checkpoint's dtype (or the user's `dtype=`, which the hook has already
+        # recorded as the resolution, so it is kept as given).
+        cfg = self.quantization_config
+        if cfg.dtype == AUTO and cfg._resolved_dtype is not None:
+            return cfg._resolved_dtype
+        return cfg.resolve_dtype(dtype, self._device())
 
     def update_device_map(self, device_map: dict[str, Any] | None) -> dict[str, Any] | None:
         # DeepSpeed puts the model on this rank's GPU; do the same when the user gave no device_map.

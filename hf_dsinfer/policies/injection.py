@@ -212,14 +212,14 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
                 return model
             what += f" and no generic path ({why_not})"
         warn_once(
-            f"replace_with_kernel_inject=True: {what} for architecture {arch}; running HF's own modules for it "
+            f"kernel injection: {what} for architecture {arch}; running HF's own modules for it "
             "(output is HF's)."
         )
         return model
     max_tokens, max_batch = int(cfg.max_out_tokens), int(cfg.max_batch_size)
     reason = policy.unsupported(model, max_tokens)
     if reason:
-        warn_once(f"replace_with_kernel_inject=True: {arch} keeps HF's own modules because {reason}.")
+        warn_once(f"kernel injection: {arch} keeps HF's own modules because {reason}.")
         return model
 
     base = model.base_model
@@ -245,7 +245,7 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         reason = tp.check(prefix, layers, specs, maps)
         if reason:
             warn_once(
-                f"replace_with_kernel_inject=True with tensor parallelism: {arch} keeps HF's modules split by AutoTP "
+                f"kernel injection with tensor parallelism: {arch} keeps HF's modules split by AutoTP "
                 f"(output is HF's) because {reason}."
             )
             return model
