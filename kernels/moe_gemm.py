@@ -188,15 +188,30 @@ def moe_gemm_torch(
 
     Reads ``counts`` on the host (free on CPU; a sync on a GPU, where the Triton path is used instead).
     """
-    num_rows = _check(a, weight, counts, a_rows)
+    _check(a, weight, counts, a_rows)
+    return _moe_gemm_host_counts(a, weight, counts, a_rows)
+
+
+# The loop reads the counts on the host, which torch.compile cannot trace (a data-dependent shape per expert); as a
+# custom op it stays one opaque call in a compiled graph (the CPU decode step), run eagerly inside.
+@torch.library.custom_op("hf_dsinfer::moe_gemm_host_counts", mutates_args=())
+def _moe_gemm_host_counts(
+    a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None
+) -> torch.Tensor:
     rows = a[a_rows] if a_rows is not None else a  # [S, K] in sorted order
-    out = torch.empty(num_rows, weight.shape[1], dtype=a.dtype, device=a.device)
+    out = torch.empty(rows.shape[0], weight.shape[1], dtype=a.dtype, device=a.device)
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c:
             torch.mm(rows[start : start + c], weight[e].t(), out=out[start : start + c])
             start += c
     return out
+
+
+@_moe_gemm_host_counts.register_fake
+def _(a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None) -> torch.Tensor:
+    num_rows = a_rows.shape[0] if a_rows is not None else a.shape[0]
+    return a.new_empty(num_rows, weight.shape[1])
 
 
 def moe_gemm(

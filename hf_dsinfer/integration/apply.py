@@ -120,7 +120,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
         elif any(p.is_meta for p in model.parameters()):
             raise ValueError("the model has weights on the meta device; pass checkpoint= (a checkpoint description).")
         elif tp.size > 1:
-            parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy)
+            ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
+            parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy, ep_size=ep_size)
     if cfg.save_mp_checkpoint_path is not None:
         parallel.save_mp_checkpoint(
             model, tp, cfg.save_mp_checkpoint_path, str(cfg.torch_dtype).removeprefix("torch."), tp_cfg.tp_grain_size

@@ -53,7 +53,8 @@ class MoESpec:
     ``num_experts``: experts the router scores (all of them, also under expert parallelism); ``top_k``: experts per
     token; ``renormalize``: divide the top-k probabilities by their sum (Mixtral always, Qwen's ``norm_topk_prob``);
     ``fp32_routing_weights``: see the module docstring; ``activation``: the experts' gated activation;
-    ``shared_expert`` / ``shared_expert_gate``: Qwen2-MoE's dense expert and its sigmoid gate.
+    ``shared_expert`` / ``shared_expert_gate``: Qwen2-MoE's dense expert and its sigmoid gate; ``expert_begin``:
+    see :class:`FusedMoE` (expert parallelism).
     """
 
     num_experts: int
@@ -63,6 +64,8 @@ class MoESpec:
     activation: str = "silu"
     shared_expert: bool = False
     shared_expert_gate: bool = False
+    #: Expert parallelism: the first of this rank's experts (the block holds experts [expert_begin, + local count)).
+    expert_begin: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -127,9 +130,10 @@ class FusedMoE(nn.Module):
         shared: FusedMLP | None = None,
         shared_gate: Linear | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        expert_begin: int = 0,
+        expert_begin: int | None = None,
     ):
         super().__init__()
+        expert_begin = spec.expert_begin if expert_begin is None else expert_begin
         num_local = experts.gate_up.shape[0]
         if router.out_features != spec.num_experts:
             raise ValueError(f"router has {router.out_features} outputs but MoESpec.num_experts={spec.num_experts}")
@@ -152,7 +156,7 @@ class FusedMoE(nn.Module):
         spec: MoESpec,
         params: dict[str, nn.Parameter],
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        expert_begin: int = 0,
+        expert_begin: int | None = None,
     ) -> FusedMoE:
         """Build the block from fused parameters named as in :data:`MOE_PARAM_NAMES` (``mlp.`` prefix included).
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .autotp import TPPlan, build_plan, local_config
-from .groups import TPGroup
+from .groups import TPGroup, all_reduce_
 from .head_layouts import norm_eps
 from .layers import (
     TP_ATTR,
@@ -23,6 +23,7 @@ from .layers import (
     make_vocab_parallel_head,
     slice_alibi_per_rank,
 )
+from .moe import reduce_partial_experts
 from .rng import broadcast_rng_state, sync_rng_before_generate
 from .shard import DEFAULT_GRAIN, Shard
 
@@ -90,6 +91,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None 
         module = model.get_submodule(name)
         for attr, value in edits.items():
             setattr(module, attr, value)
+    reduce_partial_experts(model, lambda t: all_reduce_(t, tp))  # MoE experts split by features or by expert
     for name, overrides in plan.config_overrides.items():
         module = model.get_submodule(name)
         module.config = local_config(module.config, overrides)
@@ -127,12 +129,17 @@ def finish(model: nn.Module, tp: TPGroup) -> None:
 
 
 def shard_model(
-    model: nn.Module, tp: TPGroup, grain: int = DEFAULT_GRAIN, injection_policy: dict[str, list[str]] | None = None
+    model: nn.Module,
+    tp: TPGroup,
+    grain: int = DEFAULT_GRAIN,
+    injection_policy: dict[str, list[str]] | None = None,
+    ep_size: int = 1,
 ) -> nn.Module:
-    """Split a built model (full weights on every rank) over ``tp`` in place (no-op when ``tp.size`` is 1)."""
+    """Split a built model (full weights on every rank) over ``tp`` in place (no-op when ``tp.size`` is 1);
+    ``ep_size``: see :func:`~.autotp.build_plan` (MoE experts)."""
     if tp.size == 1 or is_sharded(model):
         return model
-    plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy)
+    plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy, ep_size=ep_size)
     apply_plan(model, plan, tp)
     finish(model, tp)
     return model

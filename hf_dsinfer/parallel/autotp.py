@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from .head_layouts import codegen_shards, fused_qkv_layout, norm_is_splittable, takes_alibi
+from .moe import plan_experts, replicated_linears, traceable_experts
 from .shard import (
     DEFAULT_GRAIN,
     HeadPartition,
@@ -175,7 +176,7 @@ def _block_groups(
         groups[r] = (frozenset(feeders), ATTN in taint)
     fed = {c for feeders, _ in groups.values() for c in feeders}
     called = set(trace.linear_inputs)
-    for c in sorted((linears & called) - row_set - fed):
+    for c in sorted((linears & called) - row_set - fed - replicated_linears(block_name, block)):
         raise ValueError(
             f"AutoTP: the output of {c} never reaches an output projection (it is consumed elsewhere, e.g. a router); "
             "it cannot be column-split. This architecture is not supported by AutoTP."
@@ -281,9 +282,11 @@ def build_plan(
     rank: int,
     grain: int = DEFAULT_GRAIN,
     injection_policy: dict[str, list[str]] | None = None,
+    ep_size: int = 1,
 ) -> TPPlan:
     """The :class:`TPPlan` of rank ``rank`` out of ``tp_size`` for ``model`` (real or on meta); raises ``ValueError``
-    naming the module or the numbers when the model cannot be split that way."""
+    naming the module or the numbers when the model cannot be split that way. ``ep_size`` (MoE models): 1 splits
+    every expert's features over the ranks, ``tp_size`` gives each rank whole experts (``parallel/moe.py``)."""
     plan = TPPlan(tp_size, rank)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
@@ -305,7 +308,8 @@ def build_plan(
             f"(its layers are {sorted({type(b).__name__ for b in blocks.values()})})."
         )
     try:
-        trace = trace_model(model)
+        with traceable_experts(model):  # MoE experts: grouped_mm cannot run on meta in fp32/fp16
+            trace = trace_model(model)
     except ValueError:
         if not injection_policy:
             raise
@@ -329,6 +333,7 @@ def build_plan(
                     raise ValueError(f"AutoTP: {norms[next(c for c in feeders if c in norms)]} normalizes the full "
                                      f"output of an MLP projection of {row}; this pattern cannot be split.")
                 _plan_mlp(plan, model, row, row_in, feeders, tp_size, rank, grain)
+    plan_experts(plan, model, tp_size, rank, ep_size)  # MoE experts (parallel/moe.py)
     _plan_vocab(plan, model, tp_size, rank, grain)
     return plan
 

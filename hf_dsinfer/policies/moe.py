@@ -24,6 +24,9 @@ from ..modules.moe import MoESpec
 from .base import Cat, Source, register
 from .llama import LlamaPolicy, _activation
 
+# Set by hf_dsinfer.parallel.moe on an HF experts module that holds only this rank's experts (expert parallelism).
+_EXPERT_BEGIN_ATTR = "_dsinfer_expert_begin"
+
 
 def _is_moe_block(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
@@ -50,7 +53,7 @@ class _MoEPolicy(LlamaPolicy):
                     return f"its experts have {flag}=True, which the fused MoE block does not compute"
             if getattr(experts, "has_gate", True) is False or getattr(experts, "is_concatenated", True) is False:
                 return "its experts are not gated [gate; up] MLPs"
-            if getattr(experts, "_is_expert_parallel", False):
+            if getattr(experts, "_is_expert_parallel", False) and not hasattr(experts, _EXPERT_BEGIN_ATTR):
                 return "its experts were split by transformers' own expert parallelism"
             break
         return super().unsupported(model, max_out_tokens)
@@ -64,6 +67,7 @@ class _MoEPolicy(LlamaPolicy):
             activation=_activation(model),
             shared_expert=getattr(mlp, "shared_expert", None) is not None,
             shared_expert_gate=getattr(mlp, "shared_expert_gate", None) is not None,
+            expert_begin=int(getattr(mlp.experts, _EXPERT_BEGIN_ATTR, 0)),
         )
 
     def layer_spec(self, model: nn.Module, idx: int, layer: nn.Module) -> LayerSpec:

@@ -73,14 +73,20 @@ class TPLayout:
         return None
 
     def _check_layer(self, i: int, path: str, hf_layer: nn.Module, spec: Any, wmap: dict[str, Source]) -> str | None:
-        sources = {name: _modules(path, wmap, name) for name in _ROW + _COLUMN}
-        for name in _ROW:
+        row, column = _ROW, _COLUMN
+        if getattr(spec, "moe", None) is not None:
+            # MoE layer: the experts are split by parallel/moe.py (not linears); a shared expert is a dense MLP
+            shared = "mlp.shared.up.weight" in wmap
+            row = ("attn.o.weight",) + (("mlp.shared.down.weight",) if shared else ())
+            column = ("attn.qkv.weight",) + (("mlp.shared.up.weight",) if shared else ())
+        sources = {name: _modules(path, wmap, name) for name in row + column}
+        for name in row:
             if not sources[name] or not sources[name] <= self.row_parallel:
                 return f"{name} of layer {i} is not packed from a row-parallel (input-split) module"
-        for name in _COLUMN:
+        for name in column:
             if not sources[name] or not sources[name] <= self.column_parallel:
                 return f"{name} of layer {i} is not packed from column-parallel (output-split) modules"
-        fused_rows = sources[_ROW[0]] | sources[_ROW[1]]
+        fused_rows = set().union(*(sources[name] for name in row))
         stray = sorted(m for m in self.row_parallel if m.startswith(path + ".") and m not in fused_rows)
         if stray:
             return f"layer {i} has row-parallel modules the fused layer does not reduce: {', '.join(stray)}"

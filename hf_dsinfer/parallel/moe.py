@@ -1,0 +1,131 @@
+"""AutoTP for transformers' mixture-of-experts blocks: experts split like dense MLPs, or whole experts per rank.
+
+transformers 5.x holds a layer's experts as two 3-d parameters of one ``*Experts`` module (``gate_up_proj
+[E, 2I, C]`` with rows ``[gate; up]`` per expert, ``down_proj [E, C, I]``), computed with ``grouped_mm``; they are
+not linears, so the generic AutoTP trace neither sees nor splits them. This module adds them to a
+:class:`~.autotp.TPPlan`:
+
+* tensor parallelism (``ep_size`` 1): each rank keeps ``1/tp`` of every expert's intermediate features (``[gate_r;
+  up_r]`` rows of ``gate_up_proj``, the same columns of ``down_proj``), so per-rank expert memory is ``1/tp``. The
+  experts' output is then a partial sum: HF's own block gets a forward hook that all-reduces it (the fused block
+  reduces once, after adding the shared expert's partials);
+* expert parallelism (``ep_size == tp_size``): each rank keeps whole experts ``[begin, begin + E/ep)``; the fused
+  MoE block computes the tokens routed to them and the same all-reduce sums the ranks' outputs. Hidden states are
+  replicated on every rank of a tensor-parallel model, so this all-reduce is the whole exchange (no all-to-all).
+  HF's block cannot run on a subset of experts, so expert parallelism needs the fused layers (kernel injection).
+
+The routers (``gate``, Qwen's ``shared_expert_gate``) stay replicated: every rank routes every token identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .shard import even_shard, halves_shard
+
+#: attribute set on an HF ``*Experts`` module split by expert parallelism: its first expert (policies read it)
+EXPERT_BEGIN_ATTR = "_dsinfer_expert_begin"
+#: attribute set on an HF ``*Experts`` module whose output is a partial sum over the ranks
+PARTIAL_ATTR = "_dsinfer_partial_experts"
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A transformers sparse MoE block: a ``gate`` router and fused 3-d ``experts`` weights."""
+    experts = getattr(module, "experts", None)
+    gate_up = getattr(experts, "gate_up_proj", None)
+    return getattr(module, "gate", None) is not None and isinstance(gate_up, torch.Tensor) and gate_up.ndim == 3
+
+
+def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module for every sparse MoE block of ``model``."""
+    return {name: m for name, m in model.named_modules() if is_moe_block(m)}
+
+
+def replicated_linears(block_name: str, block: nn.Module) -> set[str]:
+    """Linears inside decoder block ``block_name`` that route tokens and stay whole on every rank (Qwen's
+    ``shared_expert_gate``): AutoTP must neither split them nor ask that their output reach an output projection."""
+    out = set()
+    for name, module in block.named_modules():
+        if is_moe_block(module):
+            gate = getattr(module, "shared_expert_gate", None)
+            if isinstance(gate, nn.Linear):
+                out.add(f"{block_name}.{name}.shared_expert_gate" if name else f"{block_name}.shared_expert_gate")
+    return out
+
+
+@contextmanager
+def traceable_experts(model: nn.Module) -> Iterator[None]:
+    """While AutoTP traces ``model`` on the meta device, compute experts with ``batched_mm`` (``grouped_mm``
+    refuses fp32/fp16 meta operands); the model's own implementation is restored afterwards."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None or not moe_blocks(model):
+        yield
+        return
+    saved = model.get_experts_implementation()
+    setter("batched_mm")
+    try:
+        yield
+    finally:
+        setter(saved)
+
+
+def plan_experts(plan, model: nn.Module, tp_size: int, rank: int, ep_size: int = 1) -> None:
+    """Add every MoE block's expert weights to ``plan`` (see the module docstring); ``ep_size`` 1 or ``tp_size``."""
+    if tp_size == 1:
+        return
+    if ep_size not in (1, tp_size):
+        raise ValueError(
+            f"moe.ep_size={ep_size} with tensor_parallel.tp_size={tp_size}: expert parallelism runs over the "
+            f"tensor-parallel ranks; set ep_size to {tp_size} (whole experts per rank) or 1 (every expert split)."
+        )
+    for name, block in moe_blocks(model).items():
+        experts = block.experts
+        e, two_i, _ = experts.gate_up_proj.shape
+        what = f"{name}.experts"
+        if ep_size > 1:
+            if e % ep_size:
+                raise ValueError(f"moe.ep_size={ep_size} does not divide the {e} experts of {what}.")
+            plan.shards[f"{what}.gate_up_proj"] = even_shard(e, tp_size, rank, dim=0, what=f"{what} experts")
+            plan.shards[f"{what}.down_proj"] = even_shard(e, tp_size, rank, dim=0, what=f"{what} experts")
+            plan.attrs.setdefault(what, {})[EXPERT_BEGIN_ATTR] = rank * (e // ep_size)
+            plan.attrs[what]["num_experts"] = e // ep_size
+        else:
+            inter = two_i // 2
+            plan.shards[f"{what}.gate_up_proj"] = halves_shard(two_i, tp_size, rank, dim=1, what=f"{what} features")
+            plan.shards[f"{what}.down_proj"] = even_shard(inter, tp_size, rank, dim=2, what=f"{what} features")
+            plan.attrs.setdefault(what, {})[PARTIAL_ATTR] = 1
+
+
+def reduce_partial_experts(model: nn.Module, reduce) -> None:
+    """Give HF's expert modules split by features an all-reduce of their output (their block then adds the
+    replicated shared expert); split by whole experts, HF's block cannot run and refuses with a clear error."""
+    for name, block in moe_blocks(model).items():
+        experts = block.experts
+        if getattr(experts, PARTIAL_ATTR, 0):
+            experts.register_forward_hook(lambda module, args, out: reduce(out))
+        elif getattr(experts, EXPERT_BEGIN_ATTR, None) is not None:
+
+            def refuse(module, args, name=name):
+                raise RuntimeError(
+                    f"{name}.experts holds only this rank's experts (moe.ep_size > 1), which HF's MoE block cannot "
+                    "compute; expert parallelism runs on hf_dsinfer's fused layers: keep replace_with_kernel_inject "
+                    "on (a policy for this architecture is needed), or set moe.ep_size=1."
+                )
+
+            experts.register_forward_pre_hook(refuse)
+
+
+__all__ = [
+    "EXPERT_BEGIN_ATTR",
+    "PARTIAL_ATTR",
+    "is_moe_block",
+    "moe_blocks",
+    "plan_experts",
+    "reduce_partial_experts",
+    "replicated_linears",
+    "traceable_experts",
+]

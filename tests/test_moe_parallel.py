@@ -1,0 +1,153 @@
+"""MoE models over 2 gloo processes: experts split by features (tensor parallelism) or whole experts per rank
+(expert parallelism, ``moe={"ep_size": 2}``), against the tp=1 model.
+
+The two ranks start once (``python tests/test_moe_parallel.py worker JOB`` with torchrun's environment); each runs
+every case and writes its results; the test compares them with HF's own model on one process: logits within the fp32
+tolerance, 20 greedy tokens identical, and each rank holding half of the expert weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from tiny_models import PAD, prompts, save_tiny  # noqa: E402
+from tolerances import MODEL_LOGITS_TOL  # noqa: E402
+
+WORLD = 2
+NEW_TOKENS = 20
+TIMEOUT_S = 400
+# case -> (tiny_models row, ep_size, replace_with_kernel_inject)
+CASES = {
+    "mixtral_tp": ("mixtral", 1, True),
+    "mixtral_ep": ("mixtral", 2, True),
+    "mixtral_tp_hf_modules": ("mixtral", 1, False),  # HF's MoE block on split experts (all-reduce hook)
+    "qwen2_moe_tp": ("qwen2_moe", 1, True),
+    "qwen2_moe_ep": ("qwen2_moe", 2, True),
+    "qwen3_moe_ep": ("qwen3_moe", 2, True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(job: dict, out_dir: str) -> list[dict]:
+    job_path = os.path.join(out_dir, "job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    port, procs = _free_port(), []
+    for rank in range(WORLD):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+            HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        )  # fmt: skip
+        log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")
+        cmd = [sys.executable, __file__, "worker", job_path]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for p, _ in procs:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    results = []
+    for rank, (p, _) in enumerate(procs):
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        if not os.path.exists(path):
+            with open(os.path.join(out_dir, f"log{rank}.txt")) as f:
+                raise AssertionError(f"rank {rank} exited {p.returncode} without results:\n{f.read()[-4000:]}")
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def _greedy(model, ids):
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        do_sample=False, pad_token_id=PAD,
+    )  # fmt: skip
+    return out[:, ids.shape[1] :]
+
+
+def _expert_numel(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+
+
+def worker(job_path: str) -> None:
+    import transformers
+
+    import hf_dsinfer
+    from hf_dsinfer.policies import is_injected
+
+    with open(job_path) as f:
+        job = json.load(f)
+    rank = int(os.environ["RANK"])
+    ids = torch.tensor([prompts()[1]])
+    results: dict = {}
+    for case, (row, ep_size, inject) in CASES.items():
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(job["paths"][row], dtype=torch.float32)
+            full = _expert_numel(model)
+            hf_dsinfer.init_inference(
+                model, dtype=torch.float32, tensor_parallel={"tp_size": WORLD}, moe={"ep_size": ep_size},
+                replace_with_kernel_inject=inject,
+            )  # fmt: skip
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            results[case] = {
+                "logits": logits,
+                "greedy": _greedy(model, ids),
+                "expert_fraction": _expert_numel(model) / full,
+                "injected": is_injected(model),
+            }
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(os.path.dirname(job_path), f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_tp")
+    paths = {row: save_tiny(row, root / row) for row in {r for r, _, _ in CASES.values()}}
+    return paths, _launch({"paths": paths}, str(root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_tensor_and_expert_parallel_match_tp1(case, ranks):
+    import transformers
+
+    paths, results = ranks
+    row, ep_size, inject = CASES[case]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(paths[row], dtype=torch.float32).eval()
+    ids = torch.tensor([prompts()[1]])
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids).logits
+    ref_greedy = _greedy(reference, ids)
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["injected"] == inject
+        torch.testing.assert_close(got["logits"], ref_logits, **MODEL_LOGITS_TOL[torch.float32])
+        assert torch.equal(got["greedy"], ref_greedy), f"rank {rank}: greedy tokens differ from tp=1"
+        # per-rank expert memory: half of every expert (tensor parallel) or half of the experts (expert parallel)
+        assert got["expert_fraction"] == pytest.approx(0.5, abs=0.02), got["expert_fraction"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
+    worker(sys.argv[2])
