@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 import warnings
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,13 @@ ENV_VAR = "HF_DSINFER_CPU_COMPILE"
 def _has_collectives(runtime) -> bool:
     """True when a fused linear all-reduces (tensor parallelism): such steps stay eager."""
     return any(getattr(m, "reduce", None) is not None for m in runtime.layers.modules())
+
+
+def _traced_step(
+    step: DecodeStep, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """What gets compiled: the eager step attending ``slots.shape[0]`` cache slots (a dynamic size)."""
+    return step.eager(input_ids, positions, attend_len=slots.shape[0])
 
 
 class CompiledCPUDecode:
@@ -73,9 +81,6 @@ class CompiledCPUDecode:
             and os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
         )
 
-    def _traced(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.step.eager(input_ids, positions, attend_len=slots.shape[0])
-
     def _bucketed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The runner's step: ``input_ids``/``positions [bucket, 1]`` (views of its static buffers)."""
         cache = self.step.cache
@@ -102,7 +107,10 @@ class CompiledCPUDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, 1]``, ``positions [B, 1]`` -> fp32 logits ``[B, V]`` (eager above the largest bucket)."""
         if self.runner is None:
-            self._compiled = torch.compile(self._traced, fullgraph=True, dynamic=False)
+            # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
+            # against its recompile limit) per code object, so models must not share one.
+            traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
+            self._compiled = torch.compile(types.MethodType(traced, self.step), fullgraph=True, dynamic=False)
             inputs = {"input_ids": StaticInput((1,), torch.long, 0), "positions": StaticInput((1,), torch.long, 0)}
             self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name="decode")
         batch = input_ids.shape[0]
