@@ -68,9 +68,57 @@ def _parse_set(pairs: list[str]) -> dict:
     return out
 
 
+def generation_report(
+    texts: list[str], prompt_tokens: int, stats: object | None, wall_s: float, new_tokens: int
+) -> dict:
+    """What ``hf-dsinfer generate`` prints: the texts and the call's speed (``new_tokens``: per prompt).
+
+    ``stats`` is the ``GenerateStats`` hf_dsinfer's generate recorded (time to first token measured inside the loop);
+    without it (a generate path that records none) only the wall-clock rate is known and TTFT is None.
+    """
+    batch = len(texts)
+    if stats is not None:
+        speed = {
+            "time_to_first_token_ms": round(stats.ttft_ms, 2),
+            "tokens_per_s": round(stats.tokens_per_s, 2),
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
+            "path": stats.path,
+        }
+    else:
+        speed = {
+            "time_to_first_token_ms": None,
+            "tokens_per_s": round(batch * new_tokens / wall_s, 2) if wall_s > 0 else None,
+            "decode_tokens_per_s": None,
+            "path": "unknown",
+        }
+    return {
+        "texts": texts,
+        "batch_size": batch,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": batch * new_tokens,
+        **speed,
+        "total_ms": round(wall_s * 1e3, 2),
+    }
+
+
+def _print_generation(report: dict) -> None:
+    for text in report["texts"]:
+        print(text)
+    ttft = report["time_to_first_token_ms"]
+    print(
+        f"-- prompt tokens: {report['prompt_tokens']}, new tokens: {report['new_tokens']} "
+        f"(batch {report['batch_size']}), time to first token: "
+        f"{'n/a' if ttft is None else f'{ttft:.1f} ms'}, {report['tokens_per_s']} tokens/s "
+        f"(total {report['total_ms']:.0f} ms, path {report['path']})"
+    )
+
+
 def _generate(args: argparse.Namespace) -> None:
+    import time
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .generation.stats import last_generate_stats
     from .integration.config import InferenceConfig
 
     overrides = _parse_set(args.set)
@@ -86,9 +134,17 @@ def _generate(args: argparse.Namespace) -> None:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, pad_token_id=tok.pad_token_id)
     if args.temperature > 0:
         gen.update(temperature=args.temperature, top_p=args.top_p)
+    before = last_generate_stats(model)
+    start = time.perf_counter()
     out = model.generate(**enc, **gen)
-    for prompt, row in zip(args.prompt, out[:, enc["input_ids"].shape[1]:]):
-        print(f"{prompt}{tok.decode(row, skip_special_tokens=True)}")
+    wall_s = time.perf_counter() - start
+    stats = last_generate_stats(model)
+    new = out[:, enc["input_ids"].shape[1]:]
+    texts = [f"{prompt}{tok.decode(row, skip_special_tokens=True)}" for prompt, row in zip(args.prompt, new)]
+    report = generation_report(
+        texts, int(enc["attention_mask"].sum()), stats if stats is not before else None, wall_s, new.shape[1]
+    )
+    print(json.dumps(report, indent=2)) if args.json else _print_generation(report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--dtype", help="fp16, bf16 or fp32 (the config's dtype)")
     p_gen.add_argument("--config", help="an inference config JSON file")
     p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
+    p_gen.add_argument("--json", action="store_true", help="print texts and timings as one JSON object")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
     from .bench import add_bench_arguments
 

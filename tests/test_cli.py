@@ -39,3 +39,16 @@ def test_generate_command(tmp_path, capsys):
                  "--max-new-tokens", "4", "--set", "max_out_tokens=128"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("Hello world") and lines[1].startswith("The quick")
+    # after the texts: prompt tokens, new tokens, time to first token, tokens/s
+    assert "prompt tokens:" in lines[2] and "new tokens: 8" in lines[2] and "time to first token:" in lines[2]
+    assert "tokens/s" in lines[2]
+
+
+def test_generate_json(tmp_path, capsys):
+    path = save_tiny("llama", tmp_path)
+    assert main(["generate", path, "--prompt", "Hello world", "--max-new-tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["texts"][0].startswith("Hello world") and report["batch_size"] == 1
+    assert report["new_tokens"] == 3 and report["prompt_tokens"] > 0
+    assert report["time_to_first_token_ms"] > 0 and report["tokens_per_s"] > 0
+    assert report["path"].startswith("fast")  # default config: fused layers, hf_dsinfer's loop
