@@ -189,13 +189,21 @@ def moe_gemm_torch(
     Reads ``counts`` on the host (free on CPU; a sync on a GPU, where the Triton path is used instead).
     """
     _check(a, weight, counts, a_rows)
-    return _moe_gemm_host_counts(a, weight, counts, a_rows)
+    if torch.compiler.is_compiling():
+        return _moe_gemm_host_counts(a, weight, counts, a_rows)
+    return _moe_gemm_loop(a, weight, counts, a_rows)  # eager: skip the custom op's dispatch cost
 
 
 # The loop reads the counts on the host, which torch.compile cannot trace (a data-dependent shape per expert); as a
 # custom op it stays one opaque call in a compiled graph (the CPU decode step), run eagerly inside.
 @torch.library.custom_op("hf_dsinfer::moe_gemm_host_counts", mutates_args=())
 def _moe_gemm_host_counts(
+    a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None
+) -> torch.Tensor:
+    return _moe_gemm_loop(a, weight, counts, a_rows)
+
+
+def _moe_gemm_loop(
     a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None
 ) -> torch.Tensor:
     rows = a[a_rows] if a_rows is not None else a  # [S, K] in sorted order

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dsinfer.kernels import act_and_mul
+from hf_dsinfer.kernels import act_and_mul, use_triton
 from hf_dsinfer.kernels.moe_gemm import moe_gemm, moe_sort
 
 from .linear import Linear, gemm_layout
@@ -110,6 +110,12 @@ class ExpertWeights(nn.Module):
     def extra_repr(self) -> str:
         e, two_i, c = self.gate_up.shape
         return f"experts={e}, hidden={c}, intermediate={two_i // 2}"
+
+
+def _host_loop_ok(x: torch.Tensor) -> bool:
+    """Whether expert ids may be read on the host: eager torch on CPU (free there), never on a GPU (a sync that
+    would break CUDA graphs) nor while torch.compile traces (a data-dependent graph break)."""
+    return x.device.type == "cpu" and not use_triton(x) and not torch.compiler.is_compiling()
 
 
 def _adopt(tensor: torch.Tensor, layout: Callable[[torch.Tensor], torch.Tensor]) -> nn.Parameter:
@@ -201,6 +207,8 @@ class FusedMoE(nn.Module):
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [N, C]``, ``weights``/``ids [N, k]`` -> this rank's expert outputs summed over k, ``[N, C]``."""
         n, k = ids.shape
+        if n * k <= self.num_local_experts and _host_loop_ok(x):
+            return self._experts_per_pair(x, weights, ids)
         local = ids - self.expert_begin
         num_local = self.num_local_experts
         sharded = num_local != self.spec.num_experts
@@ -222,6 +230,19 @@ class FusedMoE(nn.Module):
         out = torch.empty_like(y)
         out[order] = y  # back to (token, slot) order
         return out.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def _experts_per_pair(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few pairs (decoding a small batch) on CPU: each (token, expert) pair on its own, reading only the chosen
+        experts' weights and skipping the sort; the same roundings as :meth:`experts_forward`."""
+        n, k = ids.shape
+        y = x.new_zeros(n * k, x.shape[1])  # [S, C] in (token, slot) order; other ranks' experts stay zero
+        for pair, e in enumerate((ids - self.expert_begin).reshape(-1).tolist()):
+            if 0 <= e < self.num_local_experts:
+                row = x[pair // k : pair // k + 1]  # [1, C]
+                h = act_and_mul(row @ self.experts.gate_up[e].t(), self.spec.activation)  # [1, I]
+                torch.mm(h, self.experts.down[e].t(), out=y[pair : pair + 1])
+        y = y * weights.reshape(-1, 1)
+        return y.view(n, k, -1).sum(dim=1).to(x.dtype)
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
         """``x [B, T, C] -> [B, T, C]``. ``defer_reduce`` (parallel): return this rank's partial sums unreduced."""
