@@ -38,6 +38,14 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)),
     "small": ("llama", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)),
+    # mixture of experts (mixtral: 8 experts, top-2); random weights
+    "moe-tiny": ("mixtral", dict(hidden_size=256, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024,
+                                 num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                     max_position_embeddings=32768, rope_theta=1000000.0, num_local_experts=8,
+                                     num_experts_per_tok=2)),
     "llama2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                                 max_position_embeddings=4096)),
@@ -374,7 +382,8 @@ def _hybrid_main(args: BenchArgs, out: str) -> dict:
         args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         device=args.device, dtype=args.dtype, iterations=args.repeats,
     )  # fmt: skip
-    cols = ("peer", "generate_ms", "refresh_ms", "train_ms", "e2e_ms", "tokens_per_s", "peak_mem_mib", "note")
+    cols = ("mode", "peer", "generate_ms", "refresh_ms", "train_ms", "e2e_ms", "tokens_per_s", "speedup",
+            "e2e_speedup", "peak_mem_mib", "note")  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         cells = [f"{v:.1f}" if isinstance(v, float) else ("-" if v is None else str(v)) for v in map(row.get, cols)]

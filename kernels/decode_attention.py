@@ -15,7 +15,7 @@ import torch
 
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
-from .prefill_attention import _dot, _tanh, check_attention_args, masked_attention_torch
+from .prefill_attention import _dot, _tanh, check_alibi_slopes, check_attention_args, masked_attention_torch
 
 __all__ = ["decode_attention", "decode_attention_torch", "decode_attention_triton"]
 
@@ -33,16 +33,19 @@ def decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row, ``q [B, Hq, D]``, over ``k_cache``/``v_cache [Bmax, Hk, S, D]``.
 
     ``seq_lens [B]`` include the new token (already stored). The query at position ``p = seq_lens[b] - 1``
     attends slots ``[max(0, p - W + 1), p]``. ``num_splits`` (Triton path only) sets how many KV slices each
     (row, kv head) is cut into; ``None`` picks from the GPU size and the cache length ``S``. Returns ``[B, Hq, D]``.
+    ``alibi_slopes [Hq]`` (fp32): BLOOM's ALiBi bias ``slope[h] * j`` on cache slot ``j`` (see ``prefill_attention``).
     """
+    args = (q, k_cache, v_cache, seq_lens, scale, sliding_window, softcap, num_splits)
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, seq_lens, scale, sliding_window, softcap, num_splits)
-    return decode_attention_torch(q, k_cache, v_cache, seq_lens, scale, sliding_window, softcap, num_splits)
+        return decode_attention_triton(*args, alibi_slopes=alibi_slopes)
+    return decode_attention_torch(*args, alibi_slopes=alibi_slopes)
 
 
 def decode_attention_torch(
@@ -54,6 +57,7 @@ def decode_attention_torch(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch version of :func:`decode_attention` (``num_splits`` ignored).
 
@@ -64,13 +68,16 @@ def decode_attention_torch(
     check_attention_args(
         q, k_cache, v_cache, (("seq_lens", seq_lens),), 3, sliding_window, softcap, strict_strides=False
     )
-    if softcap is None and q.dtype == torch.float32:
+    check_alibi_slopes(alibi_slopes, q.shape[1], q.device)
+    if softcap is None and alibi_slopes is None and q.dtype == torch.float32:
         # fp32 only: half-precision SDPA on CPU rounds between its blocks, so a row's result would depend on the
         # length of the longest row in the batch (padded batches must equal single runs).
         return _decode_sdpa(q, k_cache, v_cache, seq_lens, scale, sliding_window)
     positions = seq_lens.long()[:, None] - 1  # [B, 1]
     valid = positions >= 0
-    out = masked_attention_torch(q[:, None], k_cache, v_cache, positions, valid, scale, sliding_window, softcap)
+    out = masked_attention_torch(
+        q[:, None], k_cache, v_cache, positions, valid, scale, sliding_window, softcap, alibi_slopes
+    )
     return out[:, 0]
 
 
@@ -145,6 +152,7 @@ def _decode_split_kernel(
     stride_vb,
     stride_vh,
     stride_vs,
+    alibi_ptr,  # [Hq] fp32 ALiBi slopes (read when HAS_ALIBI)
     NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -153,6 +161,7 @@ def _decode_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_ALIBI: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -184,6 +193,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    slopes = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0)  # [BLOCK_G]
     for n0 in range(s_lo, s_hi, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < s_hi
@@ -192,6 +204,8 @@ def _decode_split_kernel(
         s = _dot(q, tl.trans(k), FP32, UPCAST) * scale  # [BLOCK_G, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
+        if HAS_ALIBI:
+            s = s + slopes[:, None] * cols[None, :].to(tl.float32)
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoids inf - inf before any key is seen
@@ -252,6 +266,7 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`decode_attention`: split-KV stage 1, then a merge when ``num_splits > 1``.
 
@@ -262,6 +277,7 @@ def decode_attention_triton(
     )
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    check_alibi_slopes(alibi_slopes, q.shape[1], q.device)
     B, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
@@ -291,9 +307,10 @@ def decode_attention_triton(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        alibi_slopes if alibi_slopes is not None else out,  # any pointer when unused
         NUM_SPLITS=num_splits, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        FP32=q.dtype == torch.float32, UPCAST=interp,
+        FP32=q.dtype == torch.float32, UPCAST=interp, HAS_ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -25,16 +25,31 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of left-padded queries ``q [B, T, Hq, D]`` over ``k_cache``/``v_cache [Bmax, Hk, S, D]``.
 
     ``cache_lens [B]`` are the lengths before these tokens, ``start [B]`` the left padding of each row.
     ``sliding_window`` W limits each query to its last W positions (itself included); ``softcap`` applies
     ``cap * tanh(s / cap)`` to the scaled scores. Returns ``[B, T, Hq, D]`` in ``q.dtype``, zeros on padding rows.
+    ``alibi_slopes [Hq]`` (fp32, BLOOM's ALiBi): adds ``slope[h] * j`` to the score of cache slot ``j`` (the key's
+    position among the row's real tokens); softmax is shift-invariant, so this is the usual ``slope * (j - p)`` bias.
     """
     if use_triton(q):
-        return prefill_attention_triton(q, k_cache, v_cache, cache_lens, start, scale, sliding_window, softcap)
-    return prefill_attention_torch(q, k_cache, v_cache, cache_lens, start, scale, sliding_window, softcap)
+        return prefill_attention_triton(
+            q, k_cache, v_cache, cache_lens, start, scale, sliding_window, softcap, alibi_slopes=alibi_slopes
+        )
+    return prefill_attention_torch(
+        q, k_cache, v_cache, cache_lens, start, scale, sliding_window, softcap, alibi_slopes=alibi_slopes
+    )
+
+
+def check_alibi_slopes(alibi_slopes: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """ALiBi slopes must be one fp32 value per query head, on the queries' device."""
+    if alibi_slopes is None:
+        return
+    check_tensor("alibi_slopes", alibi_slopes, ndim=1, dtypes=(torch.float32,), device=device)
+    check_shape("alibi_slopes", alibi_slopes, (num_heads,))
 
 
 def check_attention_args(
@@ -80,6 +95,7 @@ def masked_attention_torch(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 reference shared by prefill and decode: ``q [B, T, Hq, D]``, ``positions``/``valid [B, T]``.
 
@@ -96,6 +112,9 @@ def masked_attention_torch(
     scores = torch.matmul(qf, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, G, T, L]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:  # slope of head h = kvh * G + g, times the key slot
+        slots = torch.arange(L, device=q.device, dtype=torch.float32)
+        scores = scores + alibi_slopes.float().view(Hk, G)[None, :, :, None, None] * slots
     j = torch.arange(L, device=q.device)
     p = positions.long()[:, :, None]  # [B, T, 1]
     allowed = (j[None, None, :] <= p) & valid[:, :, None]
@@ -118,6 +137,7 @@ def prefill_attention_torch(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`prefill_attention`: boolean mask from positions, matmul + softmax in fp32.
 
@@ -132,7 +152,8 @@ def prefill_attention_torch(
     t = torch.arange(T, device=q.device)
     positions = cache_lens.long()[:, None] + t[None, :] - start.long()[:, None]  # [B, T]
     valid = t[None, :] >= start.long()[:, None]
-    return masked_attention_torch(q, k_cache, v_cache, positions, valid, scale, sliding_window, softcap)
+    check_alibi_slopes(alibi_slopes, q.shape[2], q.device)
+    return masked_attention_torch(q, k_cache, v_cache, positions, valid, scale, sliding_window, softcap, alibi_slopes)
 
 
 @triton.jit
@@ -177,11 +198,13 @@ def _prefill_kernel(
     stride_vb,
     stride_vh,
     stride_vs,
+    alibi_ptr,  # [Hq] fp32 ALiBi slopes (read when HAS_ALIBI)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     FP32: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -221,6 +244,9 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + h)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         kv_mask = (cols[:, None] < hi) & d_mask[None, :]
@@ -228,6 +254,8 @@ def _prefill_kernel(
         s = _dot(q, tl.trans(k), FP32, UPCAST) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
+        if HAS_ALIBI:
+            s = s + slope * cols[None, :].to(tl.float32)  # bias by the key's slot (its real-token position)
         allowed = q_valid[:, None] & (cols[None, :] <= pos[:, None]) & (cols[None, :] < hi)
         if HAS_WINDOW:
             allowed = allowed & (cols[None, :] > pos[:, None] - window)
@@ -257,6 +285,7 @@ def prefill_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`prefill_attention` (flash-attention: online softmax, fp32 accumulation).
 
@@ -266,6 +295,7 @@ def prefill_attention_triton(
         q, k_cache, v_cache, (("cache_lens", cache_lens), ("start", start)), 4, sliding_window, softcap,
         strict_strides=True,
     )  # fmt: skip
+    check_alibi_slopes(alibi_slopes, q.shape[2], q.device)
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
@@ -294,8 +324,9 @@ def prefill_attention_triton(
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        alibi_slopes if alibi_slopes is not None else out,  # any pointer when unused
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi_slopes is not None,
         FP32=q.dtype == torch.float32, UPCAST=interp,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -68,5 +68,5 @@ def test_bench_hybrid_mode_writes_table(tmp_path, capsys):
     main(["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "2", "--prompt-len", "8", "--new-tokens", "4",
           "--repeats", "1", "--device", "cpu", "--threads", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
-    assert len(report["rows"]) == 2 and all(r["generate_ms"] and r["generate_ms"] > 0 for r in report["rows"])
+    assert len(report["rows"]) == 4 and all(r["generate_ms"] and r["generate_ms"] > 0 for r in report["rows"])
     assert "generate_ms" in capsys.readouterr().out

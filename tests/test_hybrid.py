@@ -243,6 +243,10 @@ def test_hybrid_bench_rows_on_cpu():
     from hf_dsinfer.hybrid.bench import run_hybrid_bench
 
     rows = run_hybrid_bench("tiny", batch=2, prompt_len=8, new_tokens=4, device="cpu", dtype="fp32", iterations=1)
-    assert [r["peer"] for r in rows] == ["hf", "hybrid"]
+    assert [(r["mode"], r["peer"]) for r in rows] == [("full", "hf"), ("full", "hybrid"), ("lora", "peft"),
+                                                      ("lora", "hybrid")]  # fmt: skip
     assert all(r["note"] == "" and r["generate_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-    assert rows[1]["refresh_ms"] > 0 and rows[1]["injected"]
+    for peer, hybrid in (rows[:2], rows[2:]):
+        assert hybrid["refresh_ms"] > 0 and hybrid["injected"]
+        want = peer["generate_ms"] / (hybrid["generate_ms"] + hybrid["refresh_ms"])
+        assert hybrid["speedup"] == pytest.approx(want, rel=1e-2)

@@ -13,7 +13,8 @@ import logging
 
 import pytest
 import torch
-from tiny_models import PAD, build_tiny, prompts
+import transformers
+from tiny_models import PAD, build_tiny, prompts, tiny_config
 
 import hf_dsinfer.policies.injection as injection
 from hf_dsinfer.log import LOGGER_NAME
@@ -25,16 +26,37 @@ class Cfg:
 
 
 # The fidelity rows this file covers; each gets the save-path check.
-ROWS = ["gemma", "olmo2", "granite"]
+ROWS = [
+    "gemma", "olmo2", "granite", "starcoder2", "gptj", "gemma3_text", "cohere", "glm4", "gpt_neo", "roberta",
+    "distilbert", "bloom",
+]
 
 # Config variants the rows do not cover: (row, overrides), compared with HF like a row.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "olmo2-mha-bias": ("olmo2", dict(num_key_value_heads=6, attention_bias=True)),
+    "starcoder2-no-bias-full-attention": ("starcoder2", dict(use_bias=False, sliding_window=None)),
+    "gptj-full-head-rotary": ("gptj", dict(rotary_dim=16, activation_function="gelu")),
+    "gemma3_text-default-layer-pattern": (
+        "gemma3_text",
+        dict(num_hidden_layers=3, layer_types=None, sliding_window_pattern=2, attn_logit_softcapping=20.0),
+    ),
+    "glm4-full-rotary-no-bias": ("glm4", dict(partial_rotary_factor=1.0, attention_bias=False)),
+    "gpt_neo-local-first": ("gpt_neo", dict(attention_types=[[["local", "global"], 1]], window_size=4)),
+    "bloom-8-heads": ("bloom", dict(hidden_size=128, n_head=8, pretraining_tp=2)),
 }
 
 # Variants a policy does not fuse: (row, overrides, text the warning must contain).
 FALLBACKS: dict[str, tuple[str, dict, str]] = {
     "gemma-quick-gelu": ("gemma", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
+    "gemma3_text-bidirectional": (
+        "gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"
+    ),
+    "cohere-qk-norm": ("cohere", dict(use_qk_norm=True), "use_qk_norm=True"),
+    "bloom-residual-after-norm": (
+        "bloom", dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm=True"
+    ),
+    "bloom-slow-but-exact": ("bloom", dict(pretraining_tp=2, slow_but_exact=True), "slow_but_exact=True"),
+    "gptj-quick-gelu": ("gptj", dict(activation_function="quick_gelu"), "activation_function='quick_gelu'"),
 }
 
 
@@ -91,3 +113,27 @@ def test_unfused_variant_keeps_hf_modules_with_one_warning(variant, caplog, monk
             torch.testing.assert_close(model(ids).logits, expect, atol=0, rtol=0)
     warnings = [r.getMessage() for r in caplog.records if "keeps HF's own modules" in r.getMessage()]
     assert len(warnings) == 1 and reason in warnings[0], warnings
+
+
+@pytest.mark.parametrize(
+    "head", ["RobertaForSequenceClassification", "RobertaForMaskedLM", "DistilBertForMaskedLM",
+             "DistilBertForTokenClassification"],
+)
+@torch.no_grad()
+def test_encoder_heads_run_on_fused_layers(head):
+    """Every encoder head calls the base model, so it runs on fused layers; a right-padded batch matches HF."""
+    row = "roberta" if head.startswith("Roberta") else "distilbert"
+    torch.manual_seed(0)
+    reference = getattr(transformers, head)(tiny_config(row)).eval()
+    fused = inject(copy.deepcopy(reference), Cfg())
+    assert is_injected(fused)
+    batch = prompts()
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([p + [PAD] * (width - len(p)) for p in batch])
+    mask = (torch.arange(width)[None] < torch.tensor([len(p) for p in batch])[:, None]).long()
+    got, want = fused(input_ids=ids, attention_mask=mask).logits, reference(input_ids=ids, attention_mask=mask).logits
+    for i, p in enumerate(batch):  # per-token heads: the real tokens; sequence heads: the whole row
+        g, w = (got[i, : len(p)], want[i, : len(p)]) if got.ndim == 3 else (got[i], want[i])
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="output_attentions"):
+        fused(input_ids=ids, attention_mask=mask, output_attentions=True)

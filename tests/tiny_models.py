@@ -80,6 +80,44 @@ ARCHITECTURES: dict[str, Arch] = {
              attention_multiplier=0.0078125, logits_scaling=8.0),
         notes="embedding, residual and attention multipliers, logits scaling",
     ),
+    "starcoder2": Arch(
+        "starcoder2", dict(_DECODER, num_key_value_heads=2, sliding_window=8, use_bias=True),
+        notes="LayerNorm, biases, plain gelu MLP, sliding window",
+    ),
+    "gemma3_text": Arch(
+        "gemma3_text",
+        dict(
+            _DECODER,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+            final_logit_softcapping=30.0,
+        ),
+        notes="local/global layers with their own rope bases, qk-norm, sandwich norms",
+    ),
+    "cohere": Arch(
+        "cohere", dict(_DECODER, num_key_value_heads=2, logit_scale=0.25),
+        notes="parallel attention + MLP, LayerNorm without bias, interleaved rotary, logit scale",
+    ),
+    "glm4": Arch(
+        "glm4", dict(_DECODER, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+        notes="sandwich norms, partial interleaved rotary, qkv bias, packed gate_up",
+    ),
+    "gpt_neo": Arch(
+        "gpt_neo",
+        dict(_COMMON, hidden_size=96, num_layers=2, num_heads=6, intermediate_size=136, window_size=8,
+             attention_types=[[["global", "local"], 1]]),
+        notes="learned positions, global then local (window 8) layers, unscaled scores",
+    ),
+    "bloom": Arch(
+        "bloom", dict(_COMMON, hidden_size=96, n_layer=2, n_head=6), notes="ALiBi (6 heads: not a power of two)"
+    ),
     "gpt2": Arch(
         "gpt2", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136), notes="Conv1D"
     ),
@@ -106,7 +144,7 @@ ARCHITECTURES: dict[str, Arch] = {
     ),
     "gptj": Arch(
         "gptj", dict(_COMMON, n_embd=96, n_layer=2, n_head=6, n_positions=256, n_inner=136, rotary_dim=8),
-        notes="no policy: HF's modules (fallback warning), AutoTP under tensor parallelism",
+        notes="parallel attention + MLP, interleaved partial rotary",
     ),
     "bert": Arch(
         "bert",
@@ -114,6 +152,20 @@ ARCHITECTURES: dict[str, Arch] = {
         auto_class="AutoModel",
         encoder=True,
         notes="encoder: hidden states compared",
+    ),
+    "roberta": Arch(
+        "roberta",
+        dict(_COMMON, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6),
+        auto_class="AutoModel",
+        encoder=True,
+        notes="encoder: positions from the padding index",
+    ),
+    "distilbert": Arch(
+        "distilbert",
+        dict(_COMMON, dim=96, hidden_dim=136, n_layers=2, n_heads=6),
+        auto_class="AutoModel",
+        encoder=True,
+        notes="encoder: no token types, no pooler",
     ),
 }
 

@@ -1,16 +1,19 @@
-"""The Hybrid Engine benchmark: generation inside a LoRA training loop, HF ``generate`` vs the engine.
+"""The Hybrid Engine benchmark: generation inside a training loop, HF ``generate`` vs the engine, in one run.
 
-The setup follows the RLHF-style measurement of DeepSpeed's Hybrid Engine (e.g. OPT-1.3B shape, batch 8, prompt
-256, 128 new tokens, LoRA): every iteration generates ``new_tokens`` tokens for ``batch`` prompts, then takes one
-training step (LM loss on the prompts, AdamW on the LoRA factors). Two contenders run the same loop on the same
-random-weight model:
+Every iteration generates ``new_tokens`` tokens for ``batch`` prompts, then takes one training step (LM loss on the
+prompts, AdamW). Two training setups, each on one random-weight model of ``preset`` that both contenders share
+(their iterations alternate, so a busy machine slows both alike):
 
-* ``hf``: ``peft_model.generate`` in eval mode (HF's loop over unmerged LoRA layers), then ``train()``;
-* ``hybrid``: ``HybridEngine.eval()`` (refresh: LoRA fused into the packed inference copy), ``generate``, ``train()``.
+* ``full`` (full fine-tune, every weight trained): ``hf`` = ``model.generate`` in eval mode (HF's loop over the
+  training model's modules) vs ``hybrid`` = ``HybridEngine.eval()`` (refresh), ``generate``, ``train()``;
+* ``lora`` (peft LoRA on every linear layer, non-zero B): ``peft`` = ``peft_model.generate`` (HF's loop over the
+  unmerged LoRA layers) vs ``hybrid`` (LoRA fused into the packed inference copy at each refresh).
 
-Each reports per-iteration medians: generate, refresh (hybrid only), training and end-to-end milliseconds, generated
-tokens per second and peak memory. ``run_hybrid_bench`` returns the rows; the CLI (``hf-dsinfer bench --hybrid``)
-prints them.
+The setup DeepSpeed published for its Hybrid Engine is OPT-1.3B, batch 8, prompt 256, 128 new tokens, LoRA.
+Rows report per-iteration medians: generate, refresh (hybrid), training and end-to-end milliseconds, generated tokens
+per second, peak memory (CUDA), and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate
++ refresh counted for the engine) and ``e2e_speedup``. ``run_hybrid_bench`` returns the rows; ``hf-dsinfer bench
+--hybrid`` prints and saves them.
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ def _peak_mib(device: torch.device) -> float | None:
     return None  # the process-wide RSS peak cannot be split between contenders on CPU
 
 
-def _lora_model(preset: str, device: torch.device, dtype: torch.dtype, rank: int, seed: int) -> nn.Module:
-    """A random-weight model of ``preset`` with LoRA on every linear layer (non-zero B, so fusing matters)."""
-    from peft import LoraConfig, get_peft_model
-
+def _training_model(preset: str, device: torch.device, dtype: torch.dtype, lora_rank: int, seed: int) -> nn.Module:
+    """A random-weight model of ``preset``; with ``lora_rank`` > 0, peft LoRA on every linear layer (non-zero B)."""
     from ..bench import build_random_model, preset_config  # the shared shape presets
 
     model = build_random_model(preset_config(preset), device, dtype, seed)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    if lora_rank <= 0:
+        return model.requires_grad_(True)  # full fine-tune: every weight trains
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -65,16 +70,88 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
     optimizer.zero_grad(set_to_none=True)
 
 
-def _row(peer: str, preset: str, batch: int, prompt_len: int, new_tokens: int, times: dict[str, list[float]],
-         device: torch.device, note: str = "", **extra: Any) -> dict:  # fmt: skip
+_NAMES = {"hf": "HF generate (training model)", "peft": "HF generate (peft, unmerged LoRA)",
+          "hybrid": "hf_dsinfer HybridEngine"}  # fmt: skip
+
+
+def _row(peer: str, mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int,
+         times: dict[str, list[float]], device: torch.device, note: str = "", **extra: Any) -> dict:  # fmt: skip
     med = {k: round(statistics.median(v), 3) if v else None for k, v in times.items()}
     gen_ms = med.get("generate_ms")
     return dict(
-        peer=peer, name={"hf": "HF generate (peft)", "hybrid": "hf_dsinfer HybridEngine"}[peer], preset=preset,
-        batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, **med,
-        tokens_per_s=round(batch * new_tokens * 1e3 / gen_ms, 2) if gen_ms else None,
+        peer=peer, mode=mode, name=_NAMES[peer], preset=preset, batch=batch, prompt_len=prompt_len,
+        new_tokens=new_tokens, **med, tokens_per_s=round(batch * new_tokens * 1e3 / gen_ms, 2) if gen_ms else None,
         peak_mem_mib=_peak_mib(device), note=note, **extra,
     )  # fmt: skip
+
+
+def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
+                dtype: str, iterations: int, lora_rank: int, seed: int) -> list[dict]:  # fmt: skip
+    """Both contenders of one training setup, alternating on one shared model; a row each."""
+    from ..policies import get_injection
+    from .engine import HybridEngine
+
+    model = _training_model(preset, dev, DTYPES[dtype], lora_rank if mode == "lora" else 0, seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+    gen_kw = dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    peer = "peft" if mode == "lora" else "hf"
+    he = HybridEngine(
+        model, inference_config=dict(
+            dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
+            enable_cuda_graph=dev.type == "cuda",
+        ),
+    )  # fmt: skip
+    times = {peer: {"generate_ms": [], "train_ms": [], "e2e_ms": []},
+             "hybrid": {"generate_ms": [], "refresh_ms": [], "train_ms": [], "e2e_ms": []}}  # fmt: skip
+
+    def run_peer(record: bool) -> None:
+        t0 = _now(dev)
+        model.eval()
+        with torch.no_grad():
+            model.generate(**gen_kw)
+        t1 = _now(dev)
+        _train_step(model, optimizer, ids)
+        t2 = _now(dev)
+        if record:
+            for key, value in (("generate_ms", t1 - t0), ("train_ms", t2 - t1), ("e2e_ms", t2 - t0)):
+                times[peer][key].append(value * 1e3)
+
+    def run_hybrid(record: bool) -> None:
+        t0 = _now(dev)
+        he.eval()
+        he.generate(**gen_kw)
+        he.train()
+        t1 = _now(dev)
+        _train_step(model, optimizer, ids)
+        t2 = _now(dev)
+        it = he.stats.last
+        if record:
+            times["hybrid"]["generate_ms"].append(it.generate_ms)
+            times["hybrid"]["refresh_ms"].append(it.refresh_ms)
+            times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
+            times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for i in range(iterations + 1):  # iteration 0 warms both up (allocations, compiled steps, graphs)
+        first, second = (run_peer, run_hybrid) if i % 2 == 0 else (run_hybrid, run_peer)
+        first(i > 0)
+        second(i > 0)
+    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev)
+    copy_mib = sum(p.numel() * p.element_size() for p in he.module.parameters()) / 2**20
+    hybrid_row = _row(
+        "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
+        injected=get_injection(he.module) is not None, inference_copy_mib=round(copy_mib, 1),
+    )  # fmt: skip
+    engine_ms = hybrid_row["generate_ms"] + (hybrid_row["refresh_ms"] or 0.0)
+    hybrid_row["speedup"] = round(peer_row["generate_ms"] / engine_ms, 3)
+    hybrid_row["e2e_speedup"] = round(peer_row["e2e_ms"] / hybrid_row["e2e_ms"], 3)
+    return [peer_row, hybrid_row]
 
 
 def run_hybrid_bench(
@@ -87,82 +164,25 @@ def run_hybrid_bench(
     iterations: int = 3,
     lora_rank: int = 16,
     seed: int = 0,
+    modes: tuple[str, ...] = ("full", "lora"),
 ) -> list[dict]:
-    """Run both contenders for ``iterations`` measured iterations (after one warm-up); one row each.
+    """Run each training setup of ``modes`` (``full``, ``lora``) for ``iterations`` measured iterations per contender
+    (after one warm-up); two rows per setup: the HF peer (``hf`` or ``peft``), then ``hybrid``.
 
-    Rows: ``peer``, ``name``, ``preset``, ``batch``, ``prompt_len``, ``new_tokens``, ``generate_ms``,
+    Row keys: ``peer``, ``mode``, ``name``, ``preset``, ``batch``, ``prompt_len``, ``new_tokens``, ``generate_ms``,
     ``refresh_ms`` (hybrid), ``train_ms``, ``e2e_ms`` (medians), ``tokens_per_s`` (generated tokens over generate
-    time), ``peak_mem_mib`` (CUDA only), ``injected`` (hybrid: fused layers in use) and ``note``. A contender that
-    fails is reported with its error in ``note``.
+    time), ``peak_mem_mib`` (CUDA only), ``note``; hybrid rows add ``injected``, ``inference_copy_mib``, ``speedup``
+    (peer generate / engine generate + refresh) and ``e2e_speedup``. A setup that fails is reported in ``note``.
     """
-    from .engine import HybridEngine
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = DTYPES[dtype]
-    model = _lora_model(preset, dev, torch_dtype, lora_rank, seed)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch, prompt_len), generator=g).to(dev)
-    gen_kw = dict(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-    )  # fmt: skip
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    rows = []
-
-    # -- HF generate inside training ---------------------------------------------------------------------------
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times: dict[str, list[float]] = {"generate_ms": [], "train_ms": [], "e2e_ms": []}
-    try:
-        for i in range(iterations + 1):
-            t0 = _now(dev)
-            model.eval()
-            with torch.no_grad():
-                model.generate(**gen_kw)
-            t1 = _now(dev)
-            _train_step(model, optimizer, ids)
-            t2 = _now(dev)
-            if i:  # iteration 0 is the warm-up
-                times["generate_ms"].append((t1 - t0) * 1e3)
-                times["train_ms"].append((t2 - t1) * 1e3)
-                times["e2e_ms"].append((t2 - t0) * 1e3)
-        rows.append(_row("hf", preset, batch, prompt_len, new_tokens, times, dev))
-    except Exception as e:  # noqa: BLE001 - reported in the row, the other contender still runs
-        rows.append(_row("hf", preset, batch, prompt_len, new_tokens, times, dev, note=f"n/a: {e!s:.160}"))
-
-    # -- the Hybrid Engine -------------------------------------------------------------------------------------
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = {"generate_ms": [], "refresh_ms": [], "train_ms": [], "e2e_ms": []}
-    try:
-        he = HybridEngine(
-            model, inference_config=dict(
-                dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
-                enable_cuda_graph=dev.type == "cuda",
-            ),
-        )  # fmt: skip
-        from ..policies import get_injection
-
-        for i in range(iterations + 1):
-            t0 = _now(dev)
-            he.eval()
-            he.generate(**gen_kw)
-            he.train()
-            t1 = _now(dev)
-            _train_step(model, optimizer, ids)
-            t2 = _now(dev)
-            it = he.stats.last
-            if i:
-                times["generate_ms"].append(it.generate_ms)
-                times["refresh_ms"].append(it.refresh_ms)
-                times["train_ms"].append((t2 - t1) * 1e3)
-                times["e2e_ms"].append((t2 - t0) * 1e3)
-        copy_mib = sum(p.numel() * p.element_size() for p in he.module.parameters()) / 2**20
-        rows.append(_row(
-            "hybrid", preset, batch, prompt_len, new_tokens, times, dev,
-            injected=get_injection(he.module) is not None, inference_copy_mib=round(copy_mib, 1),
-        ))  # fmt: skip
-    except Exception as e:  # noqa: BLE001
-        rows.append(_row("hybrid", preset, batch, prompt_len, new_tokens, times, dev, note=f"n/a: {e!s:.160}"))
+    rows: list[dict] = []
+    for mode in modes:
+        if mode not in ("full", "lora"):
+            raise ValueError(f"unknown hybrid bench mode {mode!r}; use 'full' and/or 'lora'")
+        try:
+            rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed)
+        except Exception as e:  # noqa: BLE001 - reported in the rows, the other setup still runs
+            note = f"n/a: {type(e).__name__}: {e!s:.160}"
+            peer = "peft" if mode == "lora" else "hf"
+            rows += [_row(p, mode, preset, batch, prompt_len, new_tokens, {}, dev, note=note) for p in (peer, "hybrid")]
     return rows

@@ -6,7 +6,8 @@ from __future__ import annotations
 TESTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2", "gpt_neox", "opt", "falcon", "bert",
     # issue 17's families
-    "gemma", "olmo2", "granite",
+    "gemma", "olmo2", "granite", "starcoder2", "gptj", "gemma3_text", "cohere", "glm4", "gpt_neo", "roberta",
+    "distilbert", "bloom",
 )
 
 

@@ -24,6 +24,8 @@ class AttentionSpec:
     each head of q and k before rotary (qwen3). ``causal``: False for encoders: every token attends every real token
     of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache. ``qk_norm_full_width``: the
     q (k) norm runs over all heads together, weights ``[Hq * D]`` / ``[Hk * D]`` (olmo2), not per head.
+    ``alibi_slopes``: one ALiBi slope per query head (bloom; with ``rotary=False``): each score gets
+    ``slope * j`` for the key at position ``j`` of the row.
     """
 
     num_heads: int
@@ -36,12 +38,18 @@ class AttentionSpec:
     qk_norm: NormSpec | None = None
     causal: bool = True
     qk_norm_full_width: bool = False
+    alibi_slopes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if not self.causal and (self.sliding_window is not None or self.softcap is not None):
             raise ValueError("non-causal (encoder) attention supports neither sliding_window nor softcap")
+        if self.alibi_slopes is not None and (len(self.alibi_slopes) != self.num_heads or not self.causal):
+            raise ValueError(
+                f"alibi_slopes needs one slope per query head ({self.num_heads}) and causal attention, got "
+                f"{len(self.alibi_slopes)} slopes, causal={self.causal}"
+            )
 
 
 @dataclass
@@ -62,6 +70,8 @@ class StepContext:
     seq_lens: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
     rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # torch path: angles gathered once per step
+    # Per-layer tables (gemma3's local/global bases): their rows, gathered once per step too, keyed by table.
+    layer_rotary_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     # Compiled CPU decode (generation/decode.py): attend the first ``attend_len`` slots, a bound the host knows
     # without reading ``seq_lens``, and store/attend with no host sync so one compiled graph serves every step.
     attend_len: int | None = None
@@ -70,20 +80,34 @@ class StepContext:
     def decode(self) -> bool:
         return self.seq_lens is not None
 
-    def rotate(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
-        """Rotate the q and k heads of ``qkv [B, T, Hq + 2Hk, D]`` in place (rows q, then k, then v)."""
-        if self.rotary is None:
+    def rotate(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, table: RotaryTable | None = None
+    ) -> None:
+        """Rotate the q and k heads of ``qkv [B, T, Hq + 2Hk, D]`` in place (rows q, then k, then v).
+
+        ``table``: a layer's own table (e.g. gemma3's sliding layers) instead of the model's ``rotary``.
+        """
+        rotary = self.rotary if table is None else table
+        if rotary is None:
             raise RuntimeError("attention uses rotary positions but the model has no rotary table")
         B, T, _, D = qkv.shape
         # [B, T, H, D] -> [B*T, H, D] is a view for a fused QKV output (batch and token strides merge); view(), not
         # reshape(), so a layout that would need a copy fails loudly instead of rotating a temporary.
-        if self.rotary.uses_rows(qkv):
-            if self.rotary_rows is None:
-                self.rotary_rows = self.rotary.rows(self.positions)
-            self.rotary.rotate_rows_(qkv[:, :, : num_heads + num_kv_heads].view(B * T, -1, D), self.rotary_rows)
+        if rotary.uses_rows(qkv):
+            if table is None:
+                if self.rotary_rows is None:
+                    self.rotary_rows = rotary.rows(self.positions)
+                rows = self.rotary_rows
+            else:
+                if self.layer_rotary_rows is None:
+                    self.layer_rotary_rows = {}
+                rows = self.layer_rotary_rows.get(id(table))
+                if rows is None:
+                    rows = self.layer_rotary_rows[id(table)] = rotary.rows(self.positions)
+            rotary.rotate_rows_(qkv[:, :, : num_heads + num_kv_heads].view(B * T, -1, D), rows)
         else:
             q, k = qkv[:, :, :num_heads], qkv[:, :, num_heads : num_heads + num_kv_heads]
-            self.rotary(q.view(B * T, num_heads, D), k.view(B * T, num_kv_heads, D), self.positions)
+            rotary(q.view(B * T, num_heads, D), k.view(B * T, num_kv_heads, D), self.positions)
 
 
 class FusedAttention(nn.Module):
@@ -117,6 +141,12 @@ class FusedAttention(nn.Module):
         self.o = o
         self.q_norm = q_norm
         self.k_norm = k_norm
+        # A table of this layer's own (a policy sets it, e.g. gemma3's local rope base); None: the model's table.
+        self.rotary: RotaryTable | None = None
+        alibi = None
+        if spec.alibi_slopes is not None:  # [Hq] fp32 on the weights' device; derived from the spec, never saved
+            alibi = torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=qkv.weight.device)
+        self.register_buffer("alibi_slopes", alibi, persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, defer_reduce: bool = False) -> torch.Tensor:
         """``x [B, T, C] -> [B, T, C]``; ``defer_reduce``: see :meth:`Linear.forward` (``o``)."""
@@ -132,7 +162,9 @@ class FusedAttention(nn.Module):
             q, k = self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq : Hq + Hk])  # new contiguous [B, T, H, D]
             qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)  # one buffer again, so q and k rotate together
         if s.rotary:
-            ctx.rotate(qkv, Hq, Hk)
+            if self.rotary is not None and self.rotary.cos.device != qkv.device:
+                self.rotary.to(qkv.device)  # before any graph capture: the first (prefill) step moves it
+            ctx.rotate(qkv, Hq, Hk, self.rotary)
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hk], qkv[:, :, Hq + Hk :]  # views, no copy
         if not s.causal:
             if ctx.key_lens is None:
@@ -146,7 +178,8 @@ class FusedAttention(nn.Module):
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
             out = decode_attention(
-                q[:, 0], k_cache, v_cache, ctx.seq_lens, s.scale, sliding_window=s.sliding_window, softcap=s.softcap
+                q[:, 0], k_cache, v_cache, ctx.seq_lens, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
+                alibi_slopes=self.alibi_slopes,
             )  # [B, Hq, D]
         else:
             out = prefill_attention(
@@ -158,6 +191,7 @@ class FusedAttention(nn.Module):
                 s.scale,
                 sliding_window=s.sliding_window,
                 softcap=s.softcap,
+                alibi_slopes=self.alibi_slopes,
             )  # [B, T, Hq, D]
         return self.o(out.reshape(B, T, Hq * D), defer_reduce)  # [B, T, C]
 

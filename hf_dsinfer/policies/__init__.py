@@ -4,7 +4,27 @@
 package registers every family below; a new family is one module here plus one import line (docs/policies.md).
 """
 
-from . import bert, falcon, gemma, gemma2, gpt2, gpt_neox, granite, llama, olmo2, opt  # noqa: F401  (register the families)
+# Importing a family module registers its policy.
+from . import (  # noqa: F401
+    bert,
+    bloom,
+    cohere,
+    encoders,
+    falcon,
+    gemma,
+    gemma2,
+    gemma3,
+    glm4,
+    gpt2,
+    gpt_neo,
+    gpt_neox,
+    gptj,
+    granite,
+    llama,
+    olmo2,
+    opt,
+    starcoder2,
+)
 from .base import POLICIES, POLICIES_BY_CLASS, Cat, Param, Policy, Source, Transposed, find_policy, register
 from .injection import get_injection, hf_state_dict, inject, is_injected, validate_injection_policy
 from .moe import MixtralPolicy, Qwen2MoePolicy, Qwen3MoePolicy  # noqa: F401  (register the MoE families)
