@@ -117,3 +117,9 @@ def test_memory_beyond_the_training_model(dtype):
         he.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         assert he.memory()["kv_cache"] == kv_expected
     assert he.memory()["kv_cache"] == 0, "release_inference_cache=True frees the cache after the generation"
+
+
+def test_inference_tp_size_above_one_is_refused_by_name():
+    settings = {"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}
+    with pytest.raises(ValueError, match=r"hybrid_engine.inference_tp_size=2 yet.*Set hybrid_engine.inference_tp_size"):
+        HybridEngine(build_tiny("llama", seed=0), config=settings)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -114,9 +114,10 @@ class HybridEngine:
         self.enabled = self.settings is None or self.settings.enabled
         self.config = resolve_inference_config(inference_config, config_kwargs, first.dtype)
         if self.config.tp_size > 1:
+            setting = "hybrid_engine.inference_tp_size" if self.settings is not None else "tensor_parallel.tp_size"
             raise ValueError(
-                "HybridEngine does not support tensor_parallel.tp_size > 1 yet (each rank keeps a full inference "
-                "copy); use tp_size=1."
+                f"HybridEngine does not support {setting}={self.config.tp_size} yet: each rank keeps a full inference "
+                f"copy and generates its own batch. Set {setting} to 1."
             )
         if self.config.checkpoint is not None:
             raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
@@ -426,7 +427,8 @@ class HybridEngine:
                     kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
                 )
                 check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
-            return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
+            with state.lock or nullcontext():  # one static cache: concurrent calls take turns
+                return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
         step = getattr(state, "step", None)
         compiled = getattr(step, "compiled", None)
         if compiled is None or not self._request_flag(kwargs, "disable_compile"):
