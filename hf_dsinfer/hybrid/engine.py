@@ -4,7 +4,8 @@ The engine owns an *inference copy* of the training model's architecture: built 
 materialized in the inference dtype, with fused layers injected (``hf_dsinfer.policies.inject``). Its parameters
 are persistent buffers. ``eval()`` copies the training model's effective weights into them **in place** (gathering
 shards, fusing LoRA, re-packing into the fused qkv / gate_up layout through ``Policy.pack_into``), so their
-addresses never change and captured CUDA graphs stay valid. ``generate()`` runs the inference copy's ``generate``.
+addresses never change and captured CUDA graphs stay valid. ``generate()`` runs the inference copy's ``generate``:
+hf_dsinfer's fast decoding loop (per-bucket CUDA graphs on CUDA with ``enable_cuda_graph``).
 ``train()`` only puts the training model back in training mode: the training model, its weights and the optimizer
 state are never touched. See docs/hybrid.md.
 """
