@@ -137,3 +137,23 @@ def test_encoder_heads_run_on_fused_layers(head):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="output_attentions"):
         fused(input_ids=ids, attention_mask=mask, output_attentions=True)
+
+
+def test_alibi_layers_keep_hf_modules_under_tensor_parallelism():
+    """ALiBi slopes depend on the global head index: a rank's fused layer would count its heads from 0."""
+    from hf_dsinfer.policies import POLICIES, TPLayout
+    from hf_dsinfer.policies.base import as_source
+
+    model = build_tiny("bloom")
+    policy, prefix = POLICIES["bloom"], "transformer.h.0"
+    layer = model.transformer.h[0]
+    spec = policy.layer_spec(model, 0, layer)
+    wmap = {k: as_source(v) for k, v in policy.weight_map(model, 0, layer).items() if v is not None}
+    layout = TPLayout(
+        heads={f"{prefix}.self_attention.dense": (6, 6)},
+        row_parallel=frozenset({f"{prefix}.self_attention.dense", f"{prefix}.mlp.dense_4h_to_h"}),
+        column_parallel=frozenset({f"{prefix}.self_attention.query_key_value", f"{prefix}.mlp.dense_h_to_4h"}),
+        reduce=lambda t: t,
+    )
+    reason = layout.check("transformer.h", model.transformer.h[:1], [spec], [wmap])
+    assert reason is not None and "ALiBi" in reason

@@ -99,6 +99,10 @@ class TPLayout:
         (o_proj,) = sources["attn.o.weight"]
         local = self.heads.get(o_proj)
         a = spec.attention
+        if getattr(a, "alibi_slopes", None) is not None:
+            # A head's slope depends on its index in the whole model; the spec's slopes count this rank's heads
+            # from 0, which would be right on rank 0 only.
+            return f"layer {i} uses ALiBi, whose per-head slopes the fused layer cannot offset to this rank's heads"
         if local != (a.num_heads, a.num_kv_heads):
             return (
                 f"layer {i}'s policy reports {a.num_heads} q / {a.num_kv_heads} kv heads on this rank but the "
