@@ -157,3 +157,25 @@ def test_alibi_layers_keep_hf_modules_under_tensor_parallelism():
     )
     reason = layout.check("transformer.h", model.transformer.h[:1], [spec], [wmap])
     assert reason is not None and "ALiBi" in reason
+
+
+@pytest.mark.parametrize("name", ["granite", "bloom", "gpt_neo"])
+@torch.no_grad()
+def test_caller_given_inputs_embeds_get_what_hf_applies(name):
+    """granite's embedding multiplier, bloom's embedding LayerNorm and gpt_neo's positions apply to inputs_embeds."""
+    reference, fused = _pair(name, {})
+    ids = torch.tensor([prompts()[0]])
+    embeds = reference.get_input_embeddings()(ids)
+    torch.testing.assert_close(
+        fused(inputs_embeds=embeds).logits, reference(inputs_embeds=embeds).logits, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_spec_fields_are_checked():
+    from hf_dsinfer.modules import AttentionSpec, LayerSpec, MLPSpec, NormSpec
+
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        AttentionSpec(4, 4, 16, 0.25, rotary=False, alibi_slopes=(0.5, 0.25))
+    attention = AttentionSpec(4, 4, 16, 0.25)
+    with pytest.raises(ValueError, match="residual_scale"):
+        LayerSpec(attention, MLPSpec(), NormSpec(), residual="parallel", residual_scale=0.5)
