@@ -257,3 +257,16 @@ def test_injection_policy_names_match_by_suffix_as_in_deepspeed():  # defect 9
         want = model(**inputs)[0]
         engine = hf_dsinfer.init_inference(model, **FAST, injection_policy=policy)
         torch.testing.assert_close(engine(**inputs)[0], want, **MODEL_LOGITS_TOL[torch.float32])
+
+
+# -- generate requests -----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_max_out_tokens_holds_without_kernel_injection(hf):  # defect 10
+    engine = hf_dsinfer.init_inference(build_tiny("llama"), dtype="fp32", replace_with_kernel_inject=False,
+                                       max_out_tokens=16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs 24 KV-cache slots .* max_out_tokens=16\. Raise max_out_tokens"):
+        engine.generate(torch.tensor([prompts((20,))[0]]), max_new_tokens=4)
+    ids = torch.tensor([prompts((6,))[0]])
+    torch.testing.assert_close(greedy(engine, ids, new=4), greedy(hf, ids, new=4), rtol=0, atol=0)

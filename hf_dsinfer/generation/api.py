@@ -10,8 +10,8 @@ streamers, pipelines all behave as documented by transformers) and swaps only th
   ``inputs_embeds``, ...) runs transformers' own loop on the model's fused forward and static cache, with one
   warning per kind of request.
 
-Either way the request is checked against ``max_out_tokens`` before any work, and the call's timing is recorded
-(:func:`~hf_dsinfer.generation.stats.last_generate_stats`).
+Either way (and on models that keep HF's modules) the request is checked against ``max_out_tokens`` before any work,
+and the call's timing is recorded (:func:`~hf_dsinfer.generation.stats.last_generate_stats`).
 
 Threads: a model with fused layers holds one static KV cache, so its ``generate`` calls (and forward calls) from
 several threads take turns on a per-model lock: each call gets exactly the tokens it would get alone, and calls run
@@ -157,8 +157,11 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> Any:
     reason, gen_config = _route(self, state, args, kwargs)
     width = _prompt_width(args, kwargs)
-    if state.runtime is not None and gen_config is not None and width is not None:
-        check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)  # before any work
+    # max_out_tokens holds on every path (fused or HF's modules), so a request's fate does not depend on whether the
+    # architecture has a policy; checked before any work.
+    limit = state.runtime.cache.max_tokens if state.runtime is not None else getattr(state.cfg, "max_out_tokens", None)
+    if limit is not None and gen_config is not None and width is not None:
+        check_capacity(width, _max_new_tokens(gen_config, width), int(limit))
     p = next(self.parameters(), None)
     timer = StepTimer(p.device if p is not None else "cpu")
     call = CallContext(state=state, timer=timer, streamer=kwargs.get("streamer"))
