@@ -270,3 +270,26 @@ def test_max_out_tokens_holds_without_kernel_injection(hf):  # defect 10
         engine.generate(torch.tensor([prompts((20,))[0]]), max_new_tokens=4)
     ids = torch.tensor([prompts((6,))[0]])
     torch.testing.assert_close(greedy(engine, ids, new=4), greedy(hf, ids, new=4), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_max_new_tokens_zero_gets_transformers_error_and_no_fallback_warning(caplog, batch, want):  # defect 11
+    engine = hf_dsinfer.init_inference(build_tiny("llama"), **FAST)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME), pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(IDS, max_new_tokens=0)
+    assert not [r.getMessage() for r in caplog.records if "not covered by the fast loop" in r.getMessage()]
+    generates_like_hf(engine, batch, want)
+
+
+@torch.no_grad()
+def test_right_padding_is_refused_with_the_fix(batch, want):  # defect 11 (documented in docs/generation.md)
+    engine = hf_dsinfer.init_inference(build_tiny("llama"), **FAST)
+    ids, mask = batch
+    right_ids, right_mask = ids.clone(), mask.clone()
+    for row in range(ids.shape[0]):  # move each row's padding to the right
+        n = int(mask[row].sum())
+        right_ids[row] = torch.cat((ids[row, -n:], ids[row, :-n])) if n < ids.shape[1] else ids[row]
+        right_mask[row] = torch.cat((mask[row, -n:], mask[row, :-n])) if n < ids.shape[1] else mask[row]
+    with pytest.raises(ValueError, match=r"left padding only \(tokenizer padding_side='left'\)"):
+        greedy(engine, right_ids, right_mask)
+    generates_like_hf(engine, batch, want)

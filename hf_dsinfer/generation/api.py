@@ -103,6 +103,9 @@ def _locked(fn: Any, lock: threading.RLock) -> Any:
     return call
 
 
+_INVALID_CONFIG = "an invalid generation config"
+
+
 def _prompt_width(args: tuple, kwargs: dict[str, Any]) -> int | None:
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
@@ -117,7 +120,7 @@ def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[st
         gen_config, _ = self._prepare_generation_config(kwargs.get("generation_config"), **{
             k: v for k, v in kwargs.items() if k != "generation_config"})  # fmt: skip
     except Exception:  # noqa: BLE001 - transformers will raise the same error, with its own message, below
-        return "an invalid generation config", None
+        return _INVALID_CONFIG, None
     if state.runtime is None:
         return "no fused layers", gen_config
     for name in _HF_ONLY_ARGS:
@@ -178,7 +181,7 @@ def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict
             CURRENT_CALL.reset(token)
             self.__dict__.pop("_get_stopping_criteria", None)
     else:
-        if reason != "no fused layers":
+        if reason not in ("no fused layers", _INVALID_CONFIG):  # an invalid config: transformers raises, no warning
             warn_fallback(reason)
         call.path = "hf"
         with forward_marks(self, timer):
