@@ -62,13 +62,13 @@ def generates_like_hf(model, batch, want) -> None:
 # -- save / reload ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "opt", "falcon", "llama_tied"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma2", "gpt2", "gpt_neox", "opt", "falcon"])
 @torch.no_grad()
-def test_init_inference_saves_tied_embeddings_in_hf_layout(name, tmp_path):  # defect 1
+def test_save_reload_round_trip_for_every_policy_family(name, tied, tmp_path):  # defect 1 (the tied rows)
     """Tied LM head / embedding in the CPU K-major layout: save_pretrained writes plain HF weights that reload."""
-    row, extra = ("llama", {"tie_word_embeddings": True}) if name == "llama_tied" else (name, {})
-    ref = build_tiny(row, **extra)
-    engine = hf_dsinfer.init_inference(build_tiny(row, **extra), **FAST)
+    ref = build_tiny(name, tie_word_embeddings=tied)
+    engine = hf_dsinfer.init_inference(build_tiny(name, tie_word_embeddings=tied), **FAST)
     engine.module.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     torch.testing.assert_close(again(IDS).logits, ref(IDS).logits, rtol=0, atol=0)
@@ -112,10 +112,9 @@ def test_generate_from_several_threads_equals_hf(hf, batch, want):  # defect 2
     engine = hf_dsinfer.init_inference(build_tiny("llama"), **FAST)
     rows = [torch.tensor([p]) for p in prompts((5, 9, 3, 7))]
     expected = [greedy(hf, r) for r in rows]
-    for _ in range(2):
-        got = _in_threads(lambda i: greedy(engine, rows[i]), len(rows))
-        for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    got = _in_threads(lambda i: greedy(engine, rows[i]), len(rows))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
     # forward calls of other threads wait for a running generate too
     logits = _in_threads(lambda i: greedy(engine, *batch) if i == 0 else engine(IDS).logits, 3)
     torch.testing.assert_close(logits[0], want, rtol=0, atol=0)
@@ -293,3 +292,207 @@ def test_right_padding_is_refused_with_the_fix(batch, want):  # defect 11 (docum
     with pytest.raises(ValueError, match=r"left padding only \(tokenizer padding_side='left'\)"):
         greedy(engine, right_ids, right_mask)
     generates_like_hf(engine, batch, want)
+
+
+# -- every way in: bad settings first, then the same entry point works and generates HF's tokens ----------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """The tiny llama of ``hf`` (same seed) saved with a tokenizer."""
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    """A config file with invalid JSON, one holding a list, and a path that does not exist."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "bad.json").write_text('{"dtype": "fp32",')
+    (d / "list.json").write_text('["dtype"]')
+    return {"invalid": str(d / "bad.json"), "list": str(d / "list.json"), "missing": str(d / "missing.json")}
+
+
+# (bad config, the error it must raise): each names the setting and the value or the fix
+BAD_CONFIGS = [
+    ({"max_out_tokn": 64}, r"Unknown InferenceConfig key 'max_out_tokn'\. Did you mean 'max_out_tokens'\?"),
+    ({"max_out_tokens": "64"}, r"max_out_tokens must be an integer >= 1, got '64'"),
+    ({"max_out_tokens": 0}, r"max_out_tokens must be an integer >= 1, got 0"),
+    ({"max_batch_size": -1}, r"max_batch_size must be an integer >= 1, got -1"),
+    ({"dtype": "int4"}, r"dtype='int4' is not a dtype hf_dsinfer knows"),
+    ({"enable_cuda_graph": "yes"}, r"enable_cuda_graph must be True or False, got 'yes'"),
+    ({"replace_with_kernel_inject": 1.5}, r"replace_with_kernel_inject must be True, False or 'auto'"),
+    ({"kernel_inject": True, "replace_with_kernel_inject": False}, r"same setting with different values"),
+    ({"max_out_tokens": 4, "min_out_tokens": 8}, r"max_out_tokens \(4\) is smaller than min_out_tokens \(8\)"),
+    ({"tensor_parallel": {"tp_sise": 2}}, r"Unknown tensor_parallel key 'tp_sise'\. Did you mean 'tp_size'\?"),
+    ({"cuda_graph_batch_sizes": [1, 16], "max_batch_size": 8}, r"cuda_graph_batch_sizes reaches 16"),
+    ({"injection_policy": {"LlamaDecoderLayer": ["self_attn.nope"]}}, r"'self_attn\.nope'"),
+]
+BAD_FILES = [
+    ("invalid", r"config file '.*bad\.json' is not valid JSON"),
+    ("list", r"must hold a JSON object, got list"),
+    ("missing", r"config='.*missing\.json' is not a JSON file"),
+]
+
+
+def _bad_cases(bad_files):
+    return [*BAD_CONFIGS, *[(bad_files[kind], match) for kind, match in BAD_FILES]]
+
+
+@torch.no_grad()
+def test_from_pretrained_refuses_bad_configs_then_works(llama_dir, bad_files, batch, want):
+    for config, match in _bad_cases(bad_files):
+        with pytest.raises(ValueError, match=match):
+            AutoModelForCausalLM.from_pretrained(llama_dir, inference_config=config)
+    with pytest.raises(ValueError, match="both inference_config and a different quantization_config"):
+        AutoModelForCausalLM.from_pretrained(llama_dir, inference_config=FAST,
+                                             quantization_config=hf_dsinfer.InferenceConfig(dtype="bf16"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"dtype='float16' but the inference config says dtype='float32'"):
+        AutoModelForCausalLM.from_pretrained(llama_dir, inference_config=FAST, dtype=torch.float16)
+    generates_like_hf(AutoModelForCausalLM.from_pretrained(llama_dir, inference_config=FAST), batch, want)
+
+
+def test_pipeline_refuses_bad_configs_then_works(llama_dir, hf):
+    from transformers import pipeline
+
+    for config, match in BAD_CONFIGS[:3]:
+        with pytest.raises(ValueError, match=match):
+            pipeline("text-generation", model=llama_dir, model_kwargs={"inference_config": config})
+    fast = pipeline("text-generation", model=llama_dir, model_kwargs={"inference_config": FAST})
+    plain = pipeline("text-generation", model=llama_dir, model_kwargs={"dtype": torch.float32})
+    kw = dict(max_new_tokens=NEW, do_sample=False, return_full_text=False)
+    text = ["The quick brown fox", "Hello world"]
+    assert fast(text, **kw) == plain(text, **kw)
+
+
+@torch.no_grad()
+def test_init_inference_refuses_bad_settings_then_works(bad_files, batch, want):
+    model = build_tiny("llama")
+    for config, match in _bad_cases(bad_files):
+        with pytest.raises(ValueError, match=match):
+            hf_dsinfer.init_inference(model, config)
+    with pytest.raises(ValueError, match=r"Unknown InferenceConfig key 'max_token'"):
+        hf_dsinfer.init_inference(model, max_token=8)
+    with pytest.raises(ValueError, match=r"Conflicting values .* max_out_tokens \(64 in config, 32 in kwargs\)"):
+        hf_dsinfer.init_inference(model, {"max_out_tokens": 64}, max_out_tokens=32)
+    with pytest.raises(TypeError, match="needs a torch.nn.Module, got dict"):
+        hf_dsinfer.init_inference({"model": model})
+    engine = hf_dsinfer.init_inference(model, **FAST)
+    with pytest.raises(ValueError, match="pass engine.module"):
+        hf_dsinfer.init_inference(engine)
+    generates_like_hf(engine, batch, want)
+
+
+@torch.no_grad()
+def test_hybrid_engine_refuses_bad_settings_then_works(bad_files, batch, want):
+    model = build_tiny("llama")
+    for config, match in _bad_cases(bad_files)[:6]:
+        match = match.replace("config=", "inference_config=").replace("config file", "inference_config file")
+        with pytest.raises(ValueError, match=match):
+            hf_dsinfer.HybridEngine(model, inference_config=config)
+    for kind, match in BAD_FILES:
+        with pytest.raises(ValueError, match=match.replace("config", "inference_config")):
+            hf_dsinfer.HybridEngine(model, inference_config=bad_files[kind])
+    with pytest.raises(ValueError, match=r"refresh='sometimes': use 'always' or 'auto'"):
+        hf_dsinfer.HybridEngine(model, refresh="sometimes")
+    with pytest.raises(ValueError, match=r"sampling='exact'"):
+        hf_dsinfer.HybridEngine(model, sampling="exact")
+    with pytest.raises(ValueError, match="remove `checkpoint`"):
+        hf_dsinfer.HybridEngine(model, checkpoint={"type": "ds_model", "checkpoints": []})
+    he = hf_dsinfer.HybridEngine(model, inference_config=FAST)
+    generates_like_hf(he, batch, want)
+
+
+def test_cli_refuses_bad_settings_then_works(llama_dir, bad_files, hf, capsys):
+    from hf_dsinfer.cli import main
+
+    run = ["generate", llama_dir, "--prompt", "Hello world", "--max-new-tokens", "4"]
+    with pytest.raises(ValueError, match=r"Did you mean 'max_out_tokens'"):
+        main([*run, "--set", "max_out_tokn=64"])
+    with pytest.raises(ValueError, match=r"max_out_tokens must be an integer >= 1, got 0"):
+        main([*run, "--set", "max_out_tokens=0"])
+    with pytest.raises(ValueError, match=r"dtype='fp8' is not a dtype"):
+        main([*run, "--dtype", "fp8"])
+    for kind, match in BAD_FILES:
+        with pytest.raises(ValueError, match=match):
+            main([*run, "--config", bad_files[kind]])
+    with pytest.raises(SystemExit, match="--set expects key=value"):
+        main([*run, "--set", "max_out_tokens"])
+    capsys.readouterr()
+    assert main([*run, "--dtype", "fp32", "--set", "replace_with_kernel_inject=true"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    ids = tok(["Hello world"], return_tensors="pt")["input_ids"]
+    expected = "Hello world" + tok.decode(greedy(hf, ids, new=4)[0, ids.shape[1]:], skip_special_tokens=True)
+    assert capsys.readouterr().out.splitlines()[0] == expected  # then a timing line
+
+
+# -- requests no path can serve, on one injected model -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """An injected tiny llama (same weights as ``hf``) with a small cache."""
+    return hf_dsinfer.init_inference(build_tiny("llama"), **FAST, max_out_tokens=64, max_batch_size=4)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class RaisingStreamer:
+    """A streamer that fails on its ``n``-th token."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, 0
+
+    def put(self, value):
+        self.seen += 1
+        if self.seen > self.n:  # the first put is the prompt
+            raise Boom("streamer failed")
+
+    def end(self):
+        pass
+
+
+def raising_criterion(input_ids, scores, **kwargs):
+    if input_ids.shape[1] > IDS.shape[1] + 2:
+        raise Boom("criterion failed")
+    return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+BAD_REQUESTS = {
+    "empty prompt": (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, r"input_ids is empty"),
+    "id past the vocab": (dict(input_ids=torch.tensor([[5, 500, 7]])), ValueError, r"outside the vocabulary \[0, 500"),
+    "negative id": (dict(input_ids=torch.tensor([[5, -1, 7]])), ValueError, r"outside the vocabulary .*min -1"),
+    "mask of the wrong shape": (dict(input_ids=IDS, attention_mask=torch.ones(1, 3, dtype=torch.long)), ValueError,
+                                r"attention_mask has shape \(1, 3\) but input_ids has shape \(1, 7\)"),
+    "over-long request": (dict(input_ids=torch.tensor([prompts((60,))[0]])), ValueError,
+                          r"needs 68 KV-cache slots .* max_out_tokens=64"),
+    "streamer raises": (dict(input_ids=IDS, streamer=RaisingStreamer(3)), Boom, "streamer failed"),
+    "criterion raises": (dict(input_ids=IDS, stopping_criteria=[raising_criterion]), Boom, "criterion failed"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+@torch.no_grad()
+def test_bad_requests_raise_and_leave_the_model_as_hf(engine, case, batch, want):
+    kwargs, error, match = BAD_REQUESTS[case]
+    if case == "criterion raises":
+        from transformers import StoppingCriteriaList
+
+        kwargs = dict(kwargs, stopping_criteria=StoppingCriteriaList(kwargs["stopping_criteria"]))
+    with pytest.raises(error, match=match):
+        engine.generate(**kwargs, max_new_tokens=NEW, do_sample=False)
+    generates_like_hf(engine, batch, want)
+
+
+@torch.no_grad()
+def test_varying_shapes_reuse_the_cache_without_growth(engine, hf):
+    from hf_dsinfer.policies import get_injection
+
+    cache = get_injection(engine.module).runtime.cache
+    greedy(engine, IDS)
+    ptr, rows = cache.keys[0].data_ptr(), cache.allocated_rows
+    for lengths in [(9, 2, 5), (12, 1, 7, 3), (6,)]:
+        ids, mask = left_pad(prompts(lengths, seed=len(lengths)))
+        torch.testing.assert_close(greedy(engine, ids, mask), greedy(hf, ids, mask), rtol=0, atol=0)
+        assert cache.keys[0].data_ptr() == ptr and cache.allocated_rows == rows

@@ -158,6 +158,8 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> Any:
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    _check_input_ids(self, ids, kwargs.get("attention_mask"))
     reason, gen_config = _route(self, state, args, kwargs)
     width = _prompt_width(args, kwargs)
     # max_out_tokens holds on every path (fused or HF's modules), so a request's fate does not depend on whether the
@@ -192,6 +194,35 @@ def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict
         new = call.new_tokens or max(seqs.shape[1] - (width or 0), 0)
         record_stats(self, timer.finish(batch, width or 0, new, call.path))
     return out
+
+
+def _check_input_ids(model: nn.Module, ids: Any, mask: Any = None) -> None:
+    """Refuse prompts no path can serve, before any work: an empty prompt, a mask of another shape, ids outside the
+    vocabulary (which would otherwise fail inside torch's embedding, or read another rank's rows under TP). One host
+    sync."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        return
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape != ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape {tuple(ids.shape)}; pass the mask "
+            "the tokenizer returned with the ids (one entry per token)."
+        )
+    if ids.shape[-1] == 0:
+        raise ValueError(
+            f"input_ids is empty (shape {tuple(ids.shape)}): a prompt needs at least one token; encode it with the "
+            "tokenizer's special tokens (e.g. BOS) or pass a non-empty prompt."
+        )
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    if int(lo) < 0 or int(hi) >= vocab:
+        raise ValueError(
+            f"input_ids hold ids outside the vocabulary [0, {vocab}) (min {int(lo)}, max {int(hi)}); encode the "
+            "prompt with this model's tokenizer."
+        )
 
 
 def _criteria_with_tokenizer(model: nn.Module, tokenizer: Any):
