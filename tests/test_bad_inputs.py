@@ -374,6 +374,9 @@ def test_init_inference_refuses_bad_settings_then_works(bad_files, batch, want):
         hf_dsinfer.init_inference(model, max_token=8)
     with pytest.raises(ValueError, match=r"Conflicting values .* max_out_tokens \(64 in config, 32 in kwargs\)"):
         hf_dsinfer.init_inference(model, {"max_out_tokens": 64}, max_out_tokens=32)
+    for kind, match in BAD_FILES[:2]:
+        with pytest.raises(ValueError, match=match.replace("config", "checkpoint")):
+            hf_dsinfer.init_inference(model, **FAST, checkpoint=bad_files[kind])
     with pytest.raises(TypeError, match="needs a torch.nn.Module, got dict"):
         hf_dsinfer.init_inference({"model": model})
     engine = hf_dsinfer.init_inference(model, **FAST)

@@ -195,7 +195,12 @@ def read_description(checkpoint: str | dict, base_dir: str = "") -> dict[str, An
         if not os.path.isfile(path):
             raise ValueError(f"checkpoint={path!r} is not a file; pass DeepSpeed's checkpoint JSON (path or dict).")
         with open(path, encoding="utf-8") as f:
-            desc = json.load(f)
+            try:
+                desc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"checkpoint file {path!r} is not valid JSON: {e}. Fix the file.") from e
+        if not isinstance(desc, dict):
+            raise ValueError(f"checkpoint file {path!r} must hold a JSON object, got {type(desc).__name__}.")
         base = base_dir or desc.get("base_dir") or os.path.dirname(os.path.abspath(path))
     else:
         desc = dict(checkpoint)
