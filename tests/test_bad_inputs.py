@@ -123,6 +123,18 @@ def test_generate_from_several_threads_equals_hf(hf, batch, want):  # defect 2
     generates_like_hf(engine, batch, want)
 
 
+@torch.no_grad()
+def test_hybrid_engine_generate_from_several_threads_equals_hf(hf):  # defect 2, Hybrid Engine
+    """In inference mode the engine's calls take turns on its inference copy's lock (eval/train stay in one thread)."""
+    he = hf_dsinfer.HybridEngine(build_tiny("llama"), inference_config=FAST)
+    rows = [torch.tensor([p]) for p in prompts((5, 9, 3))]
+    he.eval()
+    got = _in_threads(lambda i: greedy(he, rows[i]), len(rows))
+    he.train()
+    for g, r in zip(got, rows):
+        torch.testing.assert_close(g, greedy(hf, r), rtol=0, atol=0)
+
+
 # -- init_inference --------------------------------------------------------------------------------------------------
 
 
