@@ -29,6 +29,7 @@ from tolerances import MODEL_LOGITS_TOL  # noqa: E402
 
 WORLD = 2
 NEW_TOKENS = 20
+FAMILY_TOKENS = 8
 TIMEOUT_S = 300
 # name -> (tiny_models row, config overrides)
 ROWS = {
@@ -110,10 +111,10 @@ def launch(job: dict, out_dir: str, world: int = WORLD, timeout: int = TIMEOUT_S
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _generate(model, ids, mask, sample: bool):
+def _generate(model, ids, mask, sample: bool, new_tokens: int = NEW_TOKENS):
     kw = dict(do_sample=True, top_k=0, temperature=1.0) if sample else dict(do_sample=False)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD, **kw
+        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD, **kw
     )
     return out[:, ids.shape[1] :]
 
@@ -173,6 +174,29 @@ def worker(job_path: str) -> None:
             out[name + "+fused"]["fused"] = hf_dsinfer.policies.is_injected(model)
             out[name + "+fused"]["split"] = _split(model)
             out[name + "+fused"]["n_params"] = sum(p.numel() for p in model.parameters())
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name + "+fused"] = {"error": traceback.format_exc()}
+    for name, path in job.get("families", {}).items():
+        try:
+            model = getattr(transformers, FAMILIES[name][2]).from_pretrained(path, inference_config=tp2)
+            ids, mask = left_pad(prompts())
+            with torch.no_grad():
+                out[name] = {"logits": model(input_ids=ids, attention_mask=mask).logits}
+            if name not in ENCODERS:
+                out[name]["greedy"] = _generate(model, ids, mask, sample=False, new_tokens=FAMILY_TOKENS)
+            out[name]["n_params"] = sum(p.numel() for p in model.parameters())
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name] = {"error": traceback.format_exc()}
+    for name in job.get("families_fused", []):
+        try:
+            cfg = {**tp2, "replace_with_kernel_inject": True}
+            model = transformers.AutoModelForCausalLM.from_pretrained(job["families"][name], inference_config=cfg)
+            ids, mask = left_pad(prompts())
+            with torch.no_grad():
+                got = {"logits": model(input_ids=ids, attention_mask=mask).logits}
+            got["greedy"] = _generate(model, ids, mask, sample=False, new_tokens=FAMILY_TOKENS)
+            got["fused"] = hf_dsinfer.policies.is_injected(model)
+            out[name + "+fused"] = got
         except Exception:  # noqa: BLE001 - reported by the test
             out[name + "+fused"] = {"error": traceback.format_exc()}
     if "inplace" in job:  # init_inference on a built full model: split in place
@@ -312,6 +336,120 @@ def test_indivisible_settings_name_the_numbers(run):
     for res in results:
         assert "tp_size=3 does not divide the world size 2" in res["err_world"], res["err_world"]
         assert "tp_size=2 is more than num_attention_heads (1)" in res["err_heads"], res["err_heads"]
+
+
+# -- families AutoTP learned from their structure (HF modules on 2 ranks) ---------------------------------------------
+
+_GQA = dict(hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=2)
+# name -> (model_type, config, auto class): configs built here, so no fused policy or tiny_models row is needed
+FAMILIES = {
+    "olmo2": ("olmo2", _GQA, "AutoModelForCausalLM"),  # full-width q/k RMSNorm: statistics all-reduced
+    "olmo3_mqa": ("olmo3", dict(_GQA, num_key_value_heads=1), "AutoModelForCausalLM"),  # k norm over a replicated head
+    "bloom": ("bloom", dict(hidden_size=96, n_head=6), "AutoModelForCausalLM"),  # alibi sliced, per-head qkv
+    "codegen": ("codegen", dict(n_embd=128, n_head=8, n_inner=136, rotary_dim=8), "AutoModelForCausalLM"),
+    "gemma": ("gemma", dict(_GQA, head_dim=16), "AutoModelForCausalLM"),
+    "gemma3_text": ("gemma3_text", dict(_GQA, head_dim=16, sliding_window=4), "AutoModelForCausalLM"),
+    "granite": ("granite", dict(_GQA, embedding_multiplier=2.0, attention_multiplier=0.2, logits_scaling=2.0),
+                "AutoModelForCausalLM"),
+    "cohere": ("cohere", dict(_GQA, use_qk_norm=True), "AutoModelForCausalLM"),
+    "glm4": ("glm4", _GQA, "AutoModelForCausalLM"),
+    "starcoder2": ("starcoder2", dict(_GQA, sliding_window=4), "AutoModelForCausalLM"),
+    "gpt_neo": ("gpt_neo", dict(hidden_size=96, num_heads=6, num_layers=2, attention_types=[[["global", "local"], 1]],
+                                window_size=4, intermediate_size=136), "AutoModelForCausalLM"),
+    "roberta": ("roberta", dict(hidden_size=96, intermediate_size=136, num_attention_heads=6, pad_token_id=1),
+                "AutoModelForMaskedLM"),
+    "distilbert": ("distilbert", dict(dim=96, hidden_dim=136, n_heads=6, n_layers=2), "AutoModelForMaskedLM"),
+}
+ENCODERS = {name for name, (_, _, auto) in FAMILIES.items() if auto != "AutoModelForCausalLM"}
+
+
+def save_family(name: str, directory) -> str:
+    """Build and save one FAMILIES row (two layers, vocab 500, seeded weights); return the path."""
+    import transformers
+
+    model_type, config, auto = FAMILIES[name]
+    common = dict(vocab_size=500, num_hidden_layers=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1,
+                  eos_token_id=2)
+    config = transformers.AutoConfig.for_model(model_type, **{**common, **config})
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(config)
+    with torch.no_grad():  # norms start at ones / zeros: perturb them so a mis-split norm weight shows
+        for n, p in model.named_parameters():
+            if "norm" in n.lower() and p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(os.fspath(directory))
+    return os.fspath(directory)
+
+
+@pytest.fixture(scope="module")
+def run_families(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tp_families")
+    paths = {name: save_family(name, base / name) for name in FAMILIES}
+    return paths, launch({"families": paths, "families_fused": _with_policy()}, str(base))
+
+
+def _with_policy() -> list[str]:
+    """FAMILIES decoders that have a kernel-injection policy in this tree (their fused TP path is checked too)."""
+    from hf_dsinfer.policies import POLICIES
+
+    return [n for n, (model_type, _, _) in FAMILIES.items() if n not in ENCODERS and model_type in POLICIES]
+
+
+@torch.no_grad()
+def _family_reference(name: str, path: str):
+    import transformers
+
+    model = getattr(transformers, FAMILIES[name][2]).from_pretrained(path, dtype=torch.float32).eval()
+    ids, mask = left_pad(prompts())
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    greedy = None if name in ENCODERS else _generate(model, ids, mask, sample=False, new_tokens=FAMILY_TOKENS)
+    return logits, greedy, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tp2_autotp_families_match_tp1(run_families, name):
+    paths, results = run_families
+    logits, greedy, n_params = _family_reference(name, paths[name])
+    for rank, res in enumerate(results):
+        got = res[name]
+        assert "error" not in got, got.get("error")
+        torch.testing.assert_close(got["logits"], logits, **MODEL_LOGITS_TOL[torch.float32], msg=f"{name} rank {rank}")
+        if greedy is not None:
+            assert torch.equal(got["greedy"], greedy), f"{name} rank {rank}: greedy tokens differ from tp=1"
+        assert got["n_params"] < 0.8 * n_params
+
+
+# Fused layers cannot mirror AutoTP's all-reduced full-width q/k norm (olmo) or offset alibi slopes to a rank's
+# heads (bloom): HF's split modules stay, with one warning.
+KEEPS_HF_UNDER_TP = {"olmo2", "olmo3_mqa", "bloom"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ENCODERS])
+def test_tp2_fused_families_match_tp1(run_families, name):
+    """Where a family has a policy: kernel injection on each rank's AutoTP slices equals tp=1 (real positions)."""
+    paths, results = run_families
+    if name not in _with_policy():
+        pytest.skip(f"{FAMILIES[name][0]} has no kernel-injection policy")
+    import transformers
+
+    import hf_dsinfer
+
+    try:  # what injection does without TP: a config variant the policy does not fuse keeps HF's modules there too
+        alone = transformers.AutoModelForCausalLM.from_pretrained(
+            paths[name], inference_config={"dtype": "fp32", "replace_with_kernel_inject": True})
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the {FAMILIES[name][0]} policy fails without tensor parallelism too: {type(e).__name__}: {e}")
+    fused_expected = hf_dsinfer.policies.is_injected(alone) and name not in KEEPS_HF_UNDER_TP
+    logits, greedy, _ = _family_reference(name, paths[name])
+    real = left_pad(prompts())[1].bool()
+    for rank, res in enumerate(results):
+        got = res[name + "+fused"]
+        assert "error" not in got, got.get("error")
+        assert got["fused"] == fused_expected, f"{name} rank {rank}: fused={got['fused']}"
+        torch.testing.assert_close(got["logits"][real], logits[real], **MODEL_LOGITS_TOL[torch.float32])
+        assert torch.equal(got["greedy"], greedy), f"{name} fused rank {rank}: greedy tokens differ from tp=1"
 
 
 # -- three ranks: uneven head and vocab splits -------------------------------------------------------------------------

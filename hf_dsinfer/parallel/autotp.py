@@ -449,10 +449,13 @@ def _check_vocab_users(model: nn.Module, split: list[str]) -> None:
     """
     owners = {id(model.get_submodule(n)) for n in split}
     params = {id(p) for n in split for p in model.get_submodule(n).parameters(recurse=False)}
+    # A parent of the LM head holding its bias (RoBERTa's lm_head.bias is lm_head.decoder.bias) only reaches the
+    # vocab through that child, which is vocab-parallel: not another user.
+    parents = {".".join(n.split(".")[:i]) for n in split for i in range(1, n.count(".") + 1)}
     others = [
         f"{name}.{pname}"
         for name, module in model.named_modules()
-        if id(module) not in owners
+        if id(module) not in owners and name not in parents
         for pname, p in module.named_parameters(recurse=False)
         if id(p) in params
     ]
