@@ -106,8 +106,6 @@ class GenericRecord:
 class GenericPolicy:
     """The few policy hooks :class:`~.runtime.Runtime` and the decode step call, for a model on HF's modules."""
 
-    layers_attr = ""
-
     def __init__(self, model: nn.Module):
         config = model.config.get_text_config()
         src = _forward_source(model)
