@@ -72,10 +72,6 @@ def target_of(tensor: torch.Tensor) -> Target | None:
     return assumed_target()
 
 
-# fp32 with head dims above 128 (set from the sm_80 / sm_90 compile reports, see docs/kernels.md).
-FP32_WIDE_TILES = (32, 32, 8, 1)
-
-
 def _is_hopper(target: Target | None) -> bool:
     # Only sm_90 has been checked with the large tiles; later archs (tcgen05, or 99 KB consumer parts) take the
     # portable table until someone measures them.
@@ -88,12 +84,13 @@ def attention_tiles(block_d: int, dtype: torch.dtype, target: Target | None) -> 
     ``block_d`` is the head dim rounded up to a power of two (>= 16).
     """
     if dtype == torch.float32:
-        # FMA dots hold whole K slices of both operands in registers: 32-row tiles, and 8 warps from D=128 on.
+        # FMA dots hold whole K slices of both operands in registers: 32-row tiles, 8 warps and one stage from
+        # D=128 on (two stages spill in the encoder on sm_80), 16 rows beyond (32 spill thousands of bytes on sm_90).
         if block_d <= 64:
             return 32, 32, 4, 2
         if block_d <= 128:
-            return 32, 32, 8, 2
-        return FP32_WIDE_TILES
+            return 32, 32, 8, 1
+        return 16, 32, 8, 1
     if block_d > 256:
         return 32, 32, 8, 1  # D=512: a [64, 512] fp32 accumulator would not fit at any warp count without spills
     if _is_hopper(target):
@@ -119,4 +116,6 @@ def decode_tiles(block_d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """
     if dtype == torch.float32:
         return (16, 4, 2) if block_d <= 256 else (16, 8, 1)  # FMA dots: BLOCK_N=32 spills at D=128 on sm_90
-    return (64, 4, 2) if block_d <= 128 else (32, 4, 2)
+    if block_d <= 256:
+        return (64, 4, 2) if block_d <= 128 else (32, 4, 2)
+    return 32, 8, 2  # D=512: 4 warps spill a few bytes on sm_90

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from ._arch import assumed_target, decode_tiles
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .prefill_attention import _dot, _tanh, check_alibi_slopes, check_attention_args, masked_attention_torch
@@ -118,25 +119,31 @@ def _sm_count(device_index: int) -> int:
 def pick_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Split count from the grid size and the cache length ``S`` (never from ``seq_lens``: that would sync).
 
-    Aims at about four programs per SM, without cutting slices below ``_MIN_KEYS_PER_SPLIT`` keys of ``S``.
+    Aims at about four programs per SM, without cutting slices below ``_MIN_KEYS_PER_SPLIT`` keys of ``S``, and
+    rounds down to a power of two: the count only sizes the fp32 scratch and the merge's block, so a handful of
+    values (1, 2, 4, ... 64) keeps the merge kernel's compiles (and CUDA-graph buckets' first calls) few.
     """
     sms = 1
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    elif (assumed := assumed_target()) is not None:
+        sms = assumed.sm_count  # meta tensors under assume_target (the AOT compile tests)
     want = triton.cdiv(4 * sms, max(1, batch * kv_heads))
     cap = triton.cdiv(max(1, max_len), _MIN_KEYS_PER_SPLIT)
-    return max(1, min(want, cap, _MAX_SPLITS))
+    n = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [Bmax, Hk, S, D]
     v_cache_ptr,  # [Bmax, Hk, S, D]
     seq_lens_ptr,  # [B]
-    out_ptr,  # [B, Hq, D] contiguous (used when NUM_SPLITS == 1)
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32 (used when NUM_SPLITS > 1)
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    out_ptr,  # [B, Hq, D] contiguous (used when not SPLIT)
+    part_out_ptr,  # [B, Hq, num_splits, D] fp32 (used when SPLIT)
+    part_lse_ptr,  # [B, Hq, num_splits] fp32
+    num_splits,  # a runtime value: one binary serves every split count
     Hq,
     S,
     D,
@@ -153,7 +160,7 @@ def _decode_split_kernel(
     stride_vh,
     stride_vs,
     alibi_ptr,  # [Hq] fp32 ALiBi slopes (read when HAS_ALIBI)
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partial results for the merge
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -163,15 +170,15 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     HAS_ALIBI: tl.constexpr = False,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), S)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)  # the new token at seq_len - 1 sees slots [seq_len - W, seq_len - 1]
-    # Cut [lo, seq_len) into NUM_SPLITS slices, each a whole number of BLOCK_N tiles; tail slices may be empty.
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(seq_len - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # Cut [lo, seq_len) into num_splits slices, each a whole number of BLOCK_N tiles; tail slices may be empty.
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(seq_len - lo, 0), num_splits), BLOCK_N) * BLOCK_N
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, seq_len)
 
@@ -188,8 +195,8 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    k_base = k_cache_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-    v_base = v_cache_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    k_base = k_cache_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_cache_ptr + b * stride_vb + kvh * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -219,37 +226,37 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]
-    row = b.to(tl.int64) * Hq + heads  # [BLOCK_G] flat (b, head) index
-    if NUM_SPLITS == 1:
+    row = b * Hq + heads  # [BLOCK_G] flat (b, head) index, int64
+    if not SPLIT:
         tl.store(out_ptr + row[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        part = row * NUM_SPLITS + split
+        part = row * num_splits + split
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))  # empty slice: weight 0 in the merge
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    part_out_ptr,  # [B, Hq, num_splits, D] fp32
+    part_lse_ptr,  # [B, Hq, num_splits] fp32
     out_ptr,  # [B, Hq, D] contiguous
     D,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # >= num_splits
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # flat (b, head)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)  # [BLOCK_S]; 0 for empty slices
     total = tl.sum(w, 0)
     part = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + offs_s[:, None]) * D + offs_d[None, :],
+        part_out_ptr + (row * num_splits + offs_s[:, None]) * D + offs_d[None, :],
         mask=s_mask[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
@@ -292,15 +299,14 @@ def decode_attention_triton(
     if interp:
         BLOCK_N, num_warps, num_stages = 32, 4, 1
     else:
-        BLOCK_N = 64 if BLOCK_D <= 128 else 32
-        num_warps, num_stages = 4, 2
+        BLOCK_N, num_warps, num_stages = decode_tiles(BLOCK_D, q.dtype)  # see _arch.py
     if num_splits > 1:
         part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     _decode_split_kernel[(B, Hk, num_splits)](
-        q, k_cache, v_cache, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, seq_lens, out, part_out, part_lse, num_splits,
         Hq, S, D, G, float(scale),
         int(sliding_window) if sliding_window is not None else 0,
         float(softcap) if softcap is not None else 0.0,
@@ -308,15 +314,15 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         alibi_slopes if alibi_slopes is not None else out,  # any pointer when unused
-        NUM_SPLITS=num_splits, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        SPLIT=num_splits > 1, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=q.dtype == torch.float32, UPCAST=interp, HAS_ALIBI=alibi_slopes is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(B * Hq,)](
-            part_out, part_lse, out, D,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+            part_out, part_lse, out, D, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
             num_warps=4 if BLOCK_D >= 128 else 2,
         )  # fmt: skip
     return out

@@ -103,8 +103,8 @@ def _encoder_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < D
     q_mask = (offs_m[:, None] < T) & d_mask[None, :]
-    q = tl.load(q_ptr + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask,
-                other=0.0)
+    q_rows = q_ptr + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh  # [BLOCK_M, 1]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
 
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ._arch import attention_tiles, target_of
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
@@ -210,9 +211,10 @@ def _prefill_kernel(
 ):
     bh = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
-    b = bh // Hq
+    # Offsets from b and the kv head are int64: b * stride_qb and kvh * stride_kh pass 2^31 on large caches.
+    b = (bh // Hq).to(tl.int64)
     h = bh % Hq
-    kvh = h // G
+    kvh = (h // G).to(tl.int64)
     first = tl.load(start_ptr + b)
     base = tl.load(cache_lens_ptr + b) - first  # position of token t is base + t
 
@@ -224,7 +226,7 @@ def _prefill_kernel(
     pos = base + offs_m  # [BLOCK_M]
 
     q = tl.load(
-        q_ptr + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q_ptr + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
         mask=q_valid[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -239,8 +241,8 @@ def _prefill_kernel(
         lo = tl.maximum(base + t_lo - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
 
-    k_base = k_cache_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-    v_base = v_cache_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    k_base = k_cache_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_cache_ptr + b * stride_vb + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -272,7 +274,7 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows: acc is 0, so they come out as zeros
     out = acc / l_safe[:, None]
-    out_offs = ((b * T + offs_m[:, None]).to(tl.int64) * Hq + h) * D + offs_d[None, :]
+    out_offs = ((b * T + offs_m[:, None]) * Hq + h) * D + offs_d[None, :]  # int64 (b is)
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & d_mask[None, :])
 
 
@@ -306,15 +308,10 @@ def prefill_attention_triton(
     if interp:
         # The interpreter's cost grows with program count and op count; small tiles keep tests quick.
         BLOCK_M, BLOCK_N, num_warps, num_stages = 16, 16, 4, 1
-    elif BLOCK_D <= 64:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 128, 64, 4, 3
-    elif BLOCK_D <= 128:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 128, 64, 8, 2
     else:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = 64, 32, 4, 2
-    if q.dtype == torch.float32 and not interp:
-        # fp32 tiles take twice the shared memory; keep D=256 under ~100 KB so consumer GPUs can launch it too.
-        BLOCK_M, BLOCK_N = min(BLOCK_M, 64 if BLOCK_D <= 128 else 32), min(BLOCK_N, 32)
+        # Per-GPU tables (kernels/_arch.py): no register spill on sm_90 / sm_80, and within 99 KB of shared memory
+        # everywhere but Hopper.
+        BLOCK_M, BLOCK_N, num_warps, num_stages = attention_tiles(BLOCK_D, q.dtype, target_of(q))
     grid = (B * Hq, triton.cdiv(T, BLOCK_M))  # B*Hq on axis 0: axes 1-2 cap at 65535
     _prefill_kernel[grid](
         q, k_cache, v_cache, cache_lens, start, out,

@@ -59,10 +59,10 @@ EOF
 
 "$PY" scripts/gpu_check_report.py env "$OUT/env.json"
 export PYTHONUNBUFFERED=1
-step pytest_cuda 180 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml"
+step pytest_cuda 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml"
 step kernel_bench 90 "$PY" -m hf_dsinfer.kernels.bench --dtype bf16 --json "$OUT/kernels.json"
 step bench_llama3_8b 180 "$PY" -m hf_dsinfer bench --preset llama3-8b --batch-sizes 1,32 --dtype bf16 \
     --prompt-len 128 --new-tokens 64 --repeats 2 --out "$OUT"
-step bench_hybrid 60 "$PY" -m hf_dsinfer bench --hybrid --preset opt-1.3b --batch-sizes 8 --dtype bf16 \
+step bench_hybrid 90 "$PY" -m hf_dsinfer bench --hybrid --preset opt-1.3b --batch-sizes 8 --dtype bf16 \
     --prompt-len 128 --new-tokens 64 --repeats 2 --out "$OUT"
 "$PY" scripts/gpu_check_report.py report "$OUT"

@@ -91,6 +91,16 @@ def test_decode_equals_one_token_prefill(device):
     torch.testing.assert_close(dec, pre[:, 0], atol=0, rtol=0)
 
 
+def test_split_counts_are_a_few_powers_of_two():
+    # The count sizes the scratch and the merge's block; powers of two keep the distinct merge compiles few.
+    from hf_dsinfer.kernels._arch import assume_target
+
+    with assume_target(90, 132):  # an H100's SM count, for meta tensors
+        counts = {pick_num_splits(b, 8, 8192, torch.device("meta")) for b in range(1, 65)}
+    assert all(c & (c - 1) == 0 for c in counts), counts
+    assert 3 <= len(counts) <= 7 and max(counts) >= 16
+
+
 def test_pick_num_splits_uses_shapes_only(device):
     assert pick_num_splits(1, 8, 100, device) == 1  # short cache: no split
     big = pick_num_splits(1, 8, 8192, device)
