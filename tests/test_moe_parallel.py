@@ -21,20 +21,25 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from test_moe import _to_fused_layout  # noqa: E402
 from tiny_models import PAD, prompts, save_tiny  # noqa: E402
 from tolerances import MODEL_LOGITS_TOL  # noqa: E402
 
 WORLD = 2
 NEW_TOKENS = 20
 TIMEOUT_S = 400
-# case -> (tiny_models row, ep_size, replace_with_kernel_inject)
+# case -> (checkpoint, ep_size, replace_with_kernel_inject, how it loads): "built" = init_inference on a loaded
+# model (split in memory); "sliced" = from_pretrained with the config, each rank reading only its slices/experts
 CASES = {
-    "mixtral_tp": ("mixtral", 1, True),
-    "mixtral_ep": ("mixtral", 2, True),
-    "mixtral_tp_hf_modules": ("mixtral", 1, False),  # HF's MoE block on split experts (all-reduce hook)
-    "qwen2_moe_tp": ("qwen2_moe", 1, True),
-    "qwen2_moe_ep": ("qwen2_moe", 2, True),
-    "qwen3_moe_ep": ("qwen3_moe", 2, True),
+    "mixtral_tp": ("mixtral", 1, True, "built"),
+    "mixtral_ep": ("mixtral", 2, True, "built"),
+    "mixtral_tp_hf_modules": ("mixtral", 1, False, "built"),  # HF's MoE block on split experts (all-reduce hook)
+    "qwen2_moe_tp": ("qwen2_moe", 1, True, "built"),
+    "qwen2_moe_ep": ("qwen2_moe", 2, True, "built"),
+    "qwen3_moe_ep": ("qwen3_moe", 2, True, "built"),
+    "mixtral_tp_sliced": ("mixtral", 1, True, "sliced"),  # per-expert checkpoint (w1/w3/w2)
+    "qwen2_moe_ep_sliced": ("qwen2_moe", 2, True, "sliced"),  # per-expert checkpoint (gate/up/down_proj)
+    "qwen3_moe_tp_sliced_fused": ("qwen3_moe_fused", 1, True, "sliced"),  # fused-experts checkpoint
 }
 
 
@@ -99,14 +104,20 @@ def worker(job_path: str) -> None:
     rank = int(os.environ["RANK"])
     ids = torch.tensor([prompts()[1]])
     results: dict = {}
-    for case, (row, ep_size, inject) in CASES.items():
+    for case, (row, ep_size, inject, how) in CASES.items():
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(job["paths"][row], dtype=torch.float32)
-            full = _expert_numel(model)
-            hf_dsinfer.init_inference(
-                model, dtype=torch.float32, tensor_parallel={"tp_size": WORLD}, moe={"ep_size": ep_size},
-                replace_with_kernel_inject=inject,
-            )  # fmt: skip
+            settings = dict(
+                tensor_parallel={"tp_size": WORLD}, moe={"ep_size": ep_size}, replace_with_kernel_inject=inject
+            )
+            path = job["paths"][row]
+            full = _expert_numel(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+            if how == "sliced":
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, inference_config={"dtype": "fp32", **settings}
+                )
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                hf_dsinfer.init_inference(model, dtype=torch.float32, **settings)
             with torch.no_grad():
                 logits = model(input_ids=ids).logits
             results[case] = {
@@ -123,7 +134,9 @@ def worker(job_path: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_tp")
-    paths = {row: save_tiny(row, root / row) for row in {r for r, _, _ in CASES.values()}}
+    paths = {row: save_tiny(row, root / row) for row in ("mixtral", "qwen2_moe", "qwen3_moe")}
+    paths["qwen3_moe_fused"] = save_tiny("qwen3_moe", root / "qwen3_moe_fused")
+    _to_fused_layout(paths["qwen3_moe_fused"], "qwen3_moe")
     return paths, _launch({"paths": paths}, str(root))
 
 
@@ -133,7 +146,7 @@ def test_moe_tensor_and_expert_parallel_match_tp1(case, ranks):
     import transformers
 
     paths, results = ranks
-    row, ep_size, inject = CASES[case]
+    row, ep_size, inject, _ = CASES[case]
     reference = transformers.AutoModelForCausalLM.from_pretrained(paths[row], dtype=torch.float32).eval()
     ids = torch.tensor([prompts()[1]])
     with torch.no_grad():

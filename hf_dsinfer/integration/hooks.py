@@ -155,6 +155,7 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
         cls, path, config, parallel.tp_group_from_config(cfg.tensor_parallel), cfg.torch_dtype,
         grain=cfg.tensor_parallel.tp_grain_size, injection_policy=cfg.injection_policy, checkpoint=desc,
         attn_implementation=attn, device=device,
+        ep_size=cfg.moe.expert_parallel_size if cfg.moe is not None else 1,
     )
     model.config.name_or_path = path
     if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):

@@ -26,6 +26,7 @@ from torch import nn
 from .apply import apply_plan, finish, parameter_groups
 from .autotp import TPPlan, build_plan
 from .groups import TPGroup, barrier
+from .moe import is_per_expert_key, read_fused_experts
 from .shard import DEFAULT_GRAIN, Shard
 
 DESCRIPTION_KEYS = {
@@ -84,7 +85,7 @@ class SafetensorsIndex:
         others = [t for t in transforms if not isinstance(t, WeightRenaming)]
         for key in list(self.where):
             for t in others:
-                if t.rename_source_key(key)[1] is not None:
+                if t.rename_source_key(key)[1] is not None and not is_per_expert_key(key):  # experts: parallel/moe.py
                     raise ValueError(
                         f"checkpoint tensor {key} is converted by transformers at load ({type(t).__name__}); such "
                         "checkpoints cannot be read per slice. Load with tp_size=1, save_pretrained, then use TP."
@@ -147,6 +148,10 @@ def materialize(
     def load(names: list[str], shard: Shard | None, current: torch.Tensor) -> torch.Tensor:
         source = replicated if (presliced and shard is None) else sharded
         key = source.find(names, prefix)
+        if key is None and not presliced:  # MoE experts stored one tensor per expert: read and stack this rank's
+            experts = read_fused_experts(source, lambda n: source.find([n], prefix), names[0], shard, current.shape)
+            if experts is not None:
+                return experts.to(device=device, dtype=current.dtype)
         if key is None:
             raise ValueError(f"the checkpoint has no tensor for {names[0]} (also looked for {names[1:]}).")
         tensor = source.read(key, None if presliced else shard)
@@ -257,14 +262,15 @@ def load_from_description(
 def load_pretrained_tp(
     cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = DEFAULT_GRAIN,
     injection_policy: dict[str, list[str]] | None = None, checkpoint: dict[str, Any] | None = None,
-    attn_implementation: str | None = None, device: torch.device | None = None,
+    attn_implementation: str | None = None, device: torch.device | None = None, ep_size: int = 1,
 ) -> nn.Module:
-    """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices."""
+    """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices
+    (``ep_size``: MoE experts split by features (1) or whole per rank (``tp.size``), see ``parallel/moe.py``)."""
     model = _build_meta(cls, config, dtype, attn_implementation)
     if checkpoint is not None:
         load_from_description(model, checkpoint, tp, grain, injection_policy, device)
     else:
-        plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy)
+        plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy, ep_size=ep_size)
         materialize(model, plan, tp, SafetensorsIndex.from_directory(path).rename_for(model), device=device)
         finish(model, tp)
     model.eval()

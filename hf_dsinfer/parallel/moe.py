@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .shard import even_shard, halves_shard
+from .shard import Shard, even_shard, halves_shard
 
 #: attribute set on an HF ``*Experts`` module split by expert parallelism: its first expert (policies read it)
 EXPERT_BEGIN_ATTR = "_dsinfer_expert_begin"
@@ -119,12 +119,61 @@ def reduce_partial_experts(model: nn.Module, reduce) -> None:
             experts.register_forward_pre_hook(refuse)
 
 
+# Per-expert checkpoint names transformers 5.x converts into the fused experts at load: (gate, up, down).
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def read_fused_experts(index, find, name: str, shard: Shard | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """This rank's piece of a fused ``<block>.experts.gate_up_proj [E, 2I, C]`` or ``down_proj [E, C, I]`` read from a
+    checkpoint that stores one tensor per expert (what ``save_pretrained`` writes), reading only the rank's experts
+    (expert parallelism) or feature rows/columns (tensor parallelism). None when ``name`` is not such a tensor or the
+    checkpoint does not hold it per expert. ``find(name)`` gives the stored key or None; ``index.read(key, shard)``
+    reads a slice.
+    """
+    base, _, which = name.rpartition(".")
+    if not base.endswith(".experts") or which not in ("gate_up_proj", "down_proj"):
+        return None
+    names = next((n for n in _PER_EXPERT_NAMES if find(f"{base}.0.{n[0]}.weight") is not None), None)
+    if names is None:
+        return None
+    gate_name, up_name, down_name = names
+    num_experts = shape[0]
+    experts = [e for a, b in shard.ranges for e in range(a, b)] if shard is not None and shard.dim == 0 else None
+    feature = shard if shard is not None and shard.dim != 0 else None
+    parts = []
+    for e in experts if experts is not None else range(num_experts):
+        key = find(f"{base}.{e}.{down_name if which == 'down_proj' else gate_name}.weight")
+        if key is None:
+            raise ValueError(f"the checkpoint has no tensor for expert {e} of {base}")
+        if which == "down_proj":  # [C, I] per expert; tensor parallelism keeps columns
+            parts.append(index.read(key, Shard(1, feature.ranges, feature.full) if feature else None))
+            continue
+        inter = shape[1] // 2  # [gate; up] rows: split the kept ranges at the boundary
+        ranges = feature.ranges if feature else ((0, 2 * inter),)
+        gate = [(a, min(b, inter)) for a, b in ranges if a < inter]
+        up = [(max(a, inter) - inter, b - inter) for a, b in ranges if b > inter]
+        up_key = find(f"{base}.{e}.{up_name}.weight")
+        rows = [index.read(key, Shard(0, tuple(gate), inter))] if gate else []
+        rows += [index.read(up_key, Shard(0, tuple(up), inter))] if up else []
+        parts.append(torch.cat(rows, dim=0))
+    return torch.stack(parts)
+
+
+def is_per_expert_key(key: str) -> bool:
+    """A checkpoint key of one expert's weight (``...experts.3.w1.weight``), which :func:`read_fused_experts` reads
+    per slice although transformers merges it at load."""
+    head, sep, tail = key.partition(".experts.")
+    return bool(sep) and tail.split(".", 1)[0].isdigit()
+
+
 __all__ = [
     "EXPERT_BEGIN_ATTR",
     "PARTIAL_ATTR",
     "is_moe_block",
+    "is_per_expert_key",
     "moe_blocks",
     "plan_experts",
+    "read_fused_experts",
     "reduce_partial_experts",
     "replicated_linears",
     "traceable_experts",
