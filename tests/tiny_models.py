@@ -40,15 +40,17 @@ ARCHITECTURES: dict[str, Arch] = {
     "qwen2": Arch("qwen2", dict(_DECODER, num_key_value_heads=2), notes="GQA, qkv bias"),
     "qwen3": Arch("qwen3", dict(_DECODER, num_key_value_heads=2, head_dim=16), notes="GQA, qk-norm"),
     "phi3": Arch("phi3", dict(_DECODER, num_key_value_heads=2), notes="fused qkv and gate_up"),
+    # MoE rows: expert sizes picked so HF's own bf16 greedy run meets no exact logit tie in 20 tokens (tiny random
+    # models have near-flat logits; at a 1-ulp tie any rounding difference, HF prefill vs HF decode included, flips it)
     "mixtral": Arch(
         "mixtral",
-        dict(_DECODER, num_key_value_heads=2, intermediate_size=56, num_local_experts=4, num_experts_per_tok=2),
+        dict(_DECODER, num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
         notes="MoE: 4 experts, top-2 renormalised, fp32 routing weights",
     ),
     "qwen2_moe": Arch(
         "qwen2_moe",
-        dict(_DECODER, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
-             shared_expert_intermediate_size=56, mlp_only_layers=[1], norm_topk_prob=False),
+        dict(_DECODER, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False),
         notes="MoE: shared expert with sigmoid gate, qkv bias, layer 1 dense (mlp_only_layers)",
     ),
     "qwen3_moe": Arch(
