@@ -2,9 +2,10 @@
 
 Models come from shape presets with random weights built directly on the device (parameters on the meta device,
 then materialized with a seeded random init; no download), one fresh model per contender so that no contender sees
-another's changes. Each contender runs ``generate`` once to warm up, then once for one token (time to first token)
-and once for ``new_tokens`` tokens; the difference is the decode time. EOS is disabled so every run generates
-exactly ``new_tokens`` tokens.
+another's changes. Each contender runs ``generate`` once to warm up, then ``repeats`` times (default 3) once for one
+token (time to first token) and once for ``new_tokens`` tokens; the difference is the decode time. EOS is disabled so
+every run generates exactly ``new_tokens`` tokens. Rows report the median and the spread (min / max decode tokens/s
+over the repeats); a spread above ``NOISY_SPREAD`` is flagged, because the comparison is then mostly noise.
 
 Achieved GB/s is what one decode step must read (the weights, less the input embedding table of which it gathers a
 few rows, plus the KV cache at the mean context length) over the step time, and is compared with the device's copy
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .log import logger
 
 _COMMON = dict(bos_token_id=1, eos_token_id=None, pad_token_id=0)
 # name -> (model_type, config overrides)
@@ -64,6 +67,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 PEERS = ("eager", "compile", "dsinfer")
 PEER_TITLES = {"eager": "HF eager", "compile": "HF static+compile", "dsinfer": "hf_dsinfer"}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+NOISY_SPREAD = 1.3  # max/min decode tokens/s over the repeats above which a row is flagged as noisy
+DEFAULT_REPEATS = 3
 
 
 @dataclass
@@ -76,7 +81,7 @@ class BenchArgs:
     new_tokens: int = 32
     dtype: str = "fp32"
     peers: tuple[str, ...] = PEERS
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS
     device: str | None = None
     seed: int = 0
 
@@ -240,7 +245,10 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
             rows.append(_na_row(peer, batch, args, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
         else:
             ttft, total = statistics.median(first), statistics.median(full)
-            ms_tok = max(total - ttft, 1e-6) / max(args.new_tokens - 1, 1)
+            # one decode rate per repeat (full run minus the median first-token time): the median is reported, the
+            # spread says how much it can be trusted
+            rates = [batch * 1e3 * max(args.new_tokens - 1, 1) / max(b - ttft, 1e-3) for b in full]
+            ms_tok = batch * 1e3 / statistics.median(rates)
             context = args.prompt_len + args.new_tokens / 2
             gbs = decode_bytes(model, config, batch, context, dtype) / (ms_tok / 1e3) / 1e9
             rows.append(dict(
@@ -248,7 +256,7 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
                 new_tokens=args.new_tokens, ttft_ms=round(ttft, 3), ms_per_token=round(ms_tok, 4),
                 decode_tokens_per_s=round(batch * 1e3 / ms_tok, 2), total_ms=round(total, 3),
                 peak_mem_mib=round(_peak_mem_mib(device), 1), gbs=round(gbs, 2),
-                pct_copy_bw=round(100 * gbs / copy_gbs, 1), note="",
+                pct_copy_bw=round(100 * gbs / copy_gbs, 1), **spread_fields(rates), note="",
             ))  # fmt: skip
         if progress is not None:
             progress.update(1)
@@ -259,7 +267,19 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
 def _na_row(peer: str, batch: int, args: BenchArgs, reason: str) -> dict:
     return dict(peer=peer, name=PEER_TITLES[peer], batch=batch, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, ttft_ms=None, ms_per_token=None, decode_tokens_per_s=None,
-                total_ms=None, peak_mem_mib=None, gbs=None, pct_copy_bw=None, note=f"n/a: {reason}")  # fmt: skip
+                total_ms=None, peak_mem_mib=None, gbs=None, pct_copy_bw=None, tokens_per_s_min=None,
+                tokens_per_s_max=None, spread=None, note=f"n/a: {reason}")  # fmt: skip
+
+
+def spread_fields(rates: list[float]) -> dict[str, float]:
+    """min / max of the per-repeat decode rates and their ratio (max / min, 1.0 = no noise)."""
+    lo, hi = min(rates), max(rates)
+    return dict(tokens_per_s_min=round(lo, 2), tokens_per_s_max=round(hi, 2), spread=round(hi / lo, 3))
+
+
+def noisy_rows(report: dict) -> list[dict]:
+    """Rows whose decode rate varied by more than ``NOISY_SPREAD`` (max / min) over the repeats."""
+    return [r for r in report["rows"] if (r.get("spread") or 0) > NOISY_SPREAD]
 
 
 def run_bench(args: BenchArgs) -> dict:
@@ -306,9 +326,9 @@ def markdown_table(report: dict) -> str:
         f"**{report['preset']}** on {report['device']}, {report['dtype']}, prompt {s['prompt_len']}, "
         f"{s['new_tokens']} new tokens; copy bandwidth {report['copy_gbs']:.1f} GB/s",
         "",
-        "| contender | batch | first token ms | decode tok/s | ms/token | peak MiB | GB/s | % copy BW | speedup "
-        "| note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| contender | batch | first token ms | decode tok/s | min-max tok/s | ms/token | peak MiB | GB/s | % copy BW "
+        "| speedup | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = {r["batch"]: r["decode_tokens_per_s"] for r in report["rows"] if r["peer"] == "eager"}
     for r in report["rows"]:
@@ -316,10 +336,58 @@ def markdown_table(report: dict) -> str:
         speed = r["decode_tokens_per_s"] / ref if r["decode_tokens_per_s"] and ref else None
         lines.append(
             f"| {r['name']} | {r['batch']} | {_fmt(r['ttft_ms'], '.2f')} | {_fmt(r['decode_tokens_per_s'], '.1f')} "
-            f"| {_fmt(r['ms_per_token'], '.3f')} | {_fmt(r['peak_mem_mib'], '.0f')} | {_fmt(r['gbs'], '.2f')} "
+            f"| {_spread_cell(r)} | {_fmt(r['ms_per_token'], '.3f')} | {_fmt(r['peak_mem_mib'], '.0f')} "
+            f"| {_fmt(r['gbs'], '.2f')} "
             f"| {_fmt(r['pct_copy_bw'], '.1f')} | {_fmt(speed, '.2f')}{'x' if speed else ''} | {r['note']} |"
         )
+    repeats = s.get("repeats", 1)
+    noisy = noisy_rows(report)
+    lines += ["", f"Median of {repeats} timed run(s) per row; min-max is the decode rate's spread over them."]
+    if noisy:
+        lines.append(
+            f"**Noisy:** {len(noisy)} row(s) varied by more than {NOISY_SPREAD}x (max/min); rerun with more "
+            "--repeats, --threads 1, or on an idle machine before comparing."
+        )
     return "\n".join(lines) + "\n"
+
+
+def _spread_cell(row: dict) -> str:
+    if row.get("tokens_per_s_min") is None:
+        return "n/a"
+    flag = " (noisy)" if row["spread"] > NOISY_SPREAD else ""
+    return f"{row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f}{flag}"
+
+
+def write_plot(report: dict, path: str) -> None:
+    """A PNG of decode tokens/s per batch size, one line per contender (error bars: min-max over the repeats)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or hf_dsinfer[plot])"
+        ) from e
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for peer in dict.fromkeys(r["peer"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["peer"] == peer and r["decode_tokens_per_s"]]
+        if not rows:
+            continue
+        x = [r["batch"] for r in rows]
+        y = [r["decode_tokens_per_s"] for r in rows]
+        err = [[v - r["tokens_per_s_min"] for v, r in zip(y, rows)],
+               [r["tokens_per_s_max"] - v for v, r in zip(y, rows)]]  # fmt: skip
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=rows[0]["name"])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xticks(sorted({r["batch"] for r in report["rows"]}))
+    ax.set_title(f"{report['preset']} on {report['device']}, {report['dtype']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -330,7 +398,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (median; default 3 CUDA, 1 CPU)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"timed runs per point: the median is reported with the min-max spread (default "
+                        f"{DEFAULT_REPEATS}; a spread above {NOISY_SPREAD}x is flagged as noise)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also write a PNG of decode tokens/s per batch size per contender (needs matplotlib)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (1 gives stable numbers on a shared machine: OpenMP threads spin)")
@@ -351,11 +423,19 @@ def bench_main(ns: argparse.Namespace) -> dict:
         new_tokens=ns.new_tokens,
         dtype=ns.dtype or ("bf16" if cuda else "fp32"),
         peers=tuple(p.strip() for p in str(ns.peers).split(",") if p.strip()),
-        repeats=ns.repeats or (3 if cuda else 1),
+        repeats=ns.repeats,
         device=ns.device,
     )
     if args.new_tokens < 2 or args.prompt_len < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         raise SystemExit("bench needs --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    plot = getattr(ns, "plot", None)
+    if plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the runs, not after)
+        except ImportError:
+            write_plot({}, plot)  # raises the SystemExit that says how to install it
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if getattr(ns, "hybrid", False):
@@ -371,6 +451,15 @@ def bench_main(ns: argparse.Namespace) -> dict:
         f.write(table)
     print(table)
     print(f"wrote {stem}.json and {stem}.md")
+    for row in noisy_rows(report):
+        logger.warning(
+            "bench: %s at batch %d varied %.2fx (max/min decode tokens/s over %d runs; above %.1fx the comparison is "
+            "noise): rerun with more --repeats or --threads 1", row["name"], row["batch"], row["spread"],
+            args.repeats, NOISY_SPREAD,
+        )
+    if plot:
+        write_plot(report, plot)
+        print(f"wrote {plot}")
     return report
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hf_dsinfer.bench import PRESETS, build_random_model, markdown_table, preset_config
@@ -31,6 +32,51 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
     for b in (1, 2):
         r = rows[("compile", b)]
         assert r["decode_tokens_per_s"] or r["note"].startswith("n/a: ")
+    # three repeats by default, each row with its spread
+    assert report["settings"]["repeats"] == 3
+    for peer in ("eager", "dsinfer"):
+        r = rows[(peer, 1)]
+        assert 0 < r["tokens_per_s_min"] <= r["decode_tokens_per_s"] <= r["tokens_per_s_max"]
+        assert r["spread"] >= 1.0
+
+
+def test_noisy_rows_are_flagged_and_plotted(tmp_path, capsys, caplog):
+    import logging
+
+    import hf_dsinfer.bench as bench
+    from hf_dsinfer.log import LOGGER_NAME
+
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "--peers", "eager", "--batch-sizes", "1,2", "--prompt-len", "4", "--new-tokens", "3",
+            "--out", str(tmp_path), "--plot", str(plot)]  # fmt: skip
+    calls = iter(range(10**6))
+    real = bench._timed
+
+    def jittery(device, fn):  # every other full run 2x slower: a spread far above the 1.3x threshold
+        ms = real(device, fn)
+        return ms * (3 if next(calls) % 4 == 3 else 1)
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        bench_jitter = pytest.MonkeyPatch.context()
+        with bench_jitter as m:
+            m.setattr(bench, "_timed", jittery)
+            assert main(argv) == 0
+    report = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert bench.noisy_rows(report), report["rows"]
+    assert "(noisy)" in capsys.readouterr().out
+    assert any("varied" in r.getMessage() for r in caplog.records)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    import sys
+
+    import hf_dsinfer.bench as bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        bench.write_plot({"rows": []}, str(tmp_path / "x.png"))
 
 
 def test_na_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
