@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "gemma3_text",
         dict(num_hidden_layers=3, layer_types=None, sliding_window_pattern=2, attn_logit_softcapping=20.0),
     ),
+    # only sliding layers: HF's rotary module then holds no full-attention frequencies
+    "gemma3_text-sliding-only": ("gemma3_text", dict(layer_types=None, rope_parameters=None, sliding_window_pattern=6)),
     "glm4-full-rotary-no-bias": ("glm4", dict(partial_rotary_factor=1.0, attention_bias=False)),
     "gpt_neo-local-first": ("gpt_neo", dict(attention_types=[[["local", "global"], 1]], window_size=4)),
     "bloom-8-heads": ("bloom", dict(hidden_size=128, n_head=8, pretraining_tp=2)),

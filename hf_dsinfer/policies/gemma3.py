@@ -42,6 +42,13 @@ def _table(rotary: nn.Module, layer_type: str, max_positions: int, dtype: torch.
     return RotaryTable.from_inv_freq(inv_freq, max_positions, scaling, round_to=dtype)
 
 
+def _base_type(model: nn.Module) -> str:
+    """The layer type whose table is the model's own: full attention, or the only type a model without full-attention
+    layers has (HF's rotary module then holds no full-attention frequencies)."""
+    layer_types = list(model.config.layer_types)
+    return _GLOBAL if _GLOBAL in layer_types else layer_types[0]
+
+
 @register
 class Gemma3TextPolicy(Gemma2Policy):
     """gemma3_text (``Gemma3ForCausalLM``, ``Gemma3TextModel``) decoder layers on fused kernels."""
@@ -76,14 +83,14 @@ class Gemma3TextPolicy(Gemma2Policy):
         }
 
     def rotary_table(self, model: nn.Module, max_positions: int, dtype: torch.dtype) -> RotaryTable:
-        return _table(model.base_model.rotary_emb, _GLOBAL, max_positions, dtype)
+        return _table(model.base_model.rotary_emb, _base_type(model), max_positions, dtype)
 
     def install_forward(self, model: nn.Module, runtime: Runtime) -> None:
-        # Layers of another type than full attention rotate with their own base: one table per type.
-        rotary, layer_types = model.base_model.rotary_emb, model.config.layer_types
+        # Layers of another type than the model's table rotate with their own base: one table per type.
+        rotary, layer_types, base = model.base_model.rotary_emb, model.config.layer_types, _base_type(model)
         tables: dict[str, RotaryTable] = {}
         for layer, layer_type in zip(runtime.layers, layer_types):
-            if layer_type != _GLOBAL:
+            if layer_type != base:
                 if layer_type not in tables:
                     tables[layer_type] = _table(
                         rotary, layer_type, runtime.rotary.max_positions, next(layer.parameters()).dtype
