@@ -8,6 +8,8 @@ TESTED_ARCHITECTURES = (
     # issue 17's families
     "gemma", "olmo2", "granite", "starcoder2", "gptj", "gemma3_text", "cohere", "glm4", "gpt_neo", "roberta",
     "distilbert", "bloom",
+    # issue 16's mixture-of-experts families
+    "mixtral", "qwen2_moe", "qwen3_moe",
 )
 
 
