@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 import transformers
-from tiny_models import build_tiny, left_pad, prompts, save_tiny
+from tiny_models import ARCHITECTURES, build_tiny, left_pad, prompts, save_tiny
 from tolerances import MODEL_LOGITS_TOL
 from transformers import AutoModelForCausalLM
 
@@ -25,6 +25,7 @@ import hf_dsinfer
 from hf_dsinfer import parallel
 from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.parallel import autotp
+from hf_dsinfer.policies import is_injected
 
 NEW = 8  # new tokens per greedy check
 FAST = dict(dtype="fp32", replace_with_kernel_inject=True)  # explicit: the defaults ("auto") may change
@@ -62,14 +63,18 @@ def generates_like_hf(model, batch, want) -> None:
 
 # -- save / reload ---------------------------------------------------------------------------------------------------
 
+# every causal-LM row of the fidelity table (each family with a fused policy, and the MoE ones)
+_CAUSAL_ROWS = [n for n, a in ARCHITECTURES.items() if a.auto_class == "AutoModelForCausalLM"]
+
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("name", ["llama", "phi3", "gemma2", "gpt2", "gpt_neox", "opt", "falcon"])
+@pytest.mark.parametrize("name", _CAUSAL_ROWS)
 @torch.no_grad()
 def test_save_reload_round_trip_for_every_policy_family(name, tied, tmp_path):  # defect 1 (the tied rows)
     """Tied LM head / embedding in the CPU K-major layout: save_pretrained writes plain HF weights that reload."""
     ref = build_tiny(name, tie_word_embeddings=tied)
     engine = hf_dsinfer.init_inference(build_tiny(name, tie_word_embeddings=tied), **FAST)
+    assert is_injected(engine.module), name  # every causal row has a fused policy: the fused layout is what is saved
     engine.module.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     torch.testing.assert_close(again(IDS).logits, ref(IDS).logits, rtol=0, atol=0)
