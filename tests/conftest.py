@@ -37,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """CUDA when present, else CPU (Triton then runs under the interpreter)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny matmuls run faster and are immune to a busy machine's thread-pool
+    contention. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,13 +18,7 @@ CFG = {"max_out_tokens": 64}
 NEW = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and immune to a busy machine (thread-pool contention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randomize_lora(model: torch.nn.Module, seed: int = 1, scale: float = 0.2) -> None:

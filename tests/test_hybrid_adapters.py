@@ -14,12 +14,7 @@ from hf_dsinfer.hybrid import HybridEngine, UnsupportedAdapterError
 CFG = {"max_out_tokens": 64}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen() -> dict:

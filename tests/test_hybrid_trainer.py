@@ -22,13 +22,7 @@ STEPS = 7
 SWITCHES_PER_STEP = 14  # + 1 for the in-step generate: 7 * 15 = 105 switches
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and immune to a busy machine (thread-pool contention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Data(torch.utils.data.Dataset):

@@ -21,12 +21,7 @@ PROMPTS = ["The quick brown fox", "Hello world", "DeepSpeed inference", "tiny to
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reward_by_index(completions, **_):
