@@ -235,7 +235,9 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **extra)
         try:
             with torch.no_grad():
-                model.generate(**kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)  # warm-up
+                # warm-up; its tokens are compared across contenders (``mark_token_agreement``)
+                out = model.generate(**kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+                tokens = out[:, ids.shape[1] :].cpu()  # [batch, new_tokens]
                 first, full = [], []
                 for _ in range(args.repeats):
                     first.append(_timed(device, functools.partial(model.generate, **kw, max_new_tokens=1)))
@@ -256,7 +258,7 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
                 new_tokens=args.new_tokens, ttft_ms=round(ttft, 3), ms_per_token=round(ms_tok, 4),
                 decode_tokens_per_s=round(batch * 1e3 / ms_tok, 2), total_ms=round(total, 3),
                 peak_mem_mib=round(_peak_mem_mib(device), 1), gbs=round(gbs, 2),
-                pct_copy_bw=round(100 * gbs / copy_gbs, 1), **spread_fields(rates), note="",
+                pct_copy_bw=round(100 * gbs / copy_gbs, 1), **spread_fields(rates), note="", _tokens=tokens,
             ))  # fmt: skip
         if progress is not None:
             progress.update(1)
@@ -275,6 +277,17 @@ def spread_fields(rates: list[float]) -> dict[str, float]:
     """min / max of the per-repeat decode rates and their ratio (max / min, 1.0 = no noise)."""
     lo, hi = min(rates), max(rates)
     return dict(tokens_per_s_min=round(lo, 2), tokens_per_s_max=round(hi, 2), spread=round(hi / lo, 3))
+
+
+def mark_token_agreement(rows: list[dict]) -> None:
+    """Set ``tokens_match`` on every row: its greedy tokens equal HF eager's at the same batch size (None when there is
+    no eager row to compare with); a mismatch is also written in the row's note. Drops the tokens themselves."""
+    eager = {r["batch"]: r.get("_tokens") for r in rows if r["peer"] == "eager"}
+    for r in rows:
+        tokens, ref = r.pop("_tokens", None), eager.get(r["batch"])
+        r["tokens_match"] = None if tokens is None or ref is None else bool(torch.equal(tokens, ref))
+        if r["tokens_match"] is False:
+            r["note"] = (r["note"] + "; " if r["note"] else "") + "greedy tokens differ from HF eager"
 
 
 def noisy_rows(report: dict) -> list[dict]:
@@ -296,6 +309,7 @@ def run_bench(args: BenchArgs) -> dict:
         for peer in args.peers:
             bar.set_postfix(peer=peer)
             rows.extend(run_peer(peer, args, device, copy_gbs, bar))
+    mark_token_agreement(rows)
     if device.type == "cuda":
         dev_name = torch.cuda.get_device_name(device)
     else:
@@ -343,6 +357,12 @@ def markdown_table(report: dict) -> str:
     repeats = s.get("repeats", 1)
     noisy = noisy_rows(report)
     lines += ["", f"Median of {repeats} timed run(s) per row; min-max is the decode rate's spread over them."]
+    checked = [r["tokens_match"] for r in report["rows"] if r.get("tokens_match") is not None]
+    if checked:
+        lines.append(
+            "Greedy tokens identical to HF eager's in every row." if all(checked)
+            else f"**Greedy tokens differ from HF eager's in {checked.count(False)} row(s)** (see the notes)."
+        )
     if noisy:
         lines.append(
             f"**Noisy:** {len(noisy)} row(s) varied by more than {NOISY_SPREAD}x (max/min); rerun with more "

@@ -30,6 +30,7 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
             assert r["note"] == "", r["note"]
             assert r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["gbs"] > 0
     for b in (1, 2):
+        assert rows[("dsinfer", b)]["tokens_match"] is True  # greedy tokens compared with HF eager's
         r = rows[("compile", b)]
         assert r["decode_tokens_per_s"] or r["note"].startswith("n/a: ")
     # three repeats by default, each row with its spread
@@ -116,3 +117,16 @@ def test_bench_hybrid_mode_writes_table(tmp_path, capsys):
     report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
     assert len(report["rows"]) == 4 and all(r["generate_ms"] and r["generate_ms"] > 0 for r in report["rows"])
     assert "generate_ms" in capsys.readouterr().out
+
+
+def test_token_disagreement_is_reported():
+    import torch
+
+    from hf_dsinfer.bench import mark_token_agreement
+
+    same, other = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 8]])
+    rows = [dict(peer="eager", batch=1, note="", _tokens=same), dict(peer="dsinfer", batch=1, note="", _tokens=same),
+            dict(peer="compile", batch=1, note="", _tokens=other), dict(peer="dsinfer", batch=2, note="", _tokens=same)]
+    mark_token_agreement(rows)
+    assert [r["tokens_match"] for r in rows] == [True, True, False, None]
+    assert rows[2]["note"] == "greedy tokens differ from HF eager" and all("_tokens" not in r for r in rows)
