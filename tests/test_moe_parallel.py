@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 
@@ -22,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from test_moe import _to_fused_layout  # noqa: E402
+from test_parallel import launch  # noqa: E402 - the gloo launcher, run on this file's worker
 from tiny_models import PAD, prompts, save_tiny  # noqa: E402
 from tolerances import MODEL_LOGITS_TOL  # noqa: E402
 
@@ -41,44 +40,6 @@ CASES = {
     "qwen2_moe_ep_sliced": ("qwen2_moe", 2, True, "sliced"),  # per-expert checkpoint (gate/up/down_proj)
     "qwen3_moe_tp_sliced_fused": ("qwen3_moe_fused", 1, True, "sliced"),  # fused-experts checkpoint
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(job: dict, out_dir: str) -> list[dict]:
-    job_path = os.path.join(out_dir, "job.json")
-    with open(job_path, "w") as f:
-        json.dump(job, f)
-    port, procs = _free_port(), []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-            HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-        )  # fmt: skip
-        log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")
-        cmd = [sys.executable, __file__, "worker", job_path]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for p, _ in procs:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            log.close()
-    results = []
-    for rank, (p, _) in enumerate(procs):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        if not os.path.exists(path):
-            with open(os.path.join(out_dir, f"log{rank}.txt")) as f:
-                raise AssertionError(f"rank {rank} exited {p.returncode} without results:\n{f.read()[-4000:]}")
-        results.append(torch.load(path, weights_only=False))
-    return results
 
 
 def _greedy(model, ids):
@@ -137,7 +98,7 @@ def ranks(tmp_path_factory):
     paths = {row: save_tiny(row, root / row) for row in ("mixtral", "qwen2_moe", "qwen3_moe")}
     paths["qwen3_moe_fused"] = save_tiny("qwen3_moe", root / "qwen3_moe_fused")
     _to_fused_layout(paths["qwen3_moe_fused"], "qwen3_moe")
-    return paths, _launch({"paths": paths}, str(root))
+    return paths, launch({"paths": paths}, str(root), timeout=TIMEOUT_S, script=__file__)
 
 
 @pytest.mark.slow

@@ -58,8 +58,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(job: dict, out_dir: str, world: int = WORLD, timeout: int = TIMEOUT_S) -> list[dict]:
-    """Run ``worker(job)`` on ``world`` ranks (torchrun's environment), return each rank's results."""
+def launch(
+    job: dict, out_dir: str, world: int = WORLD, timeout: int = TIMEOUT_S, script: str = __file__
+) -> list[dict]:
+    """Run ``python <script> worker <job>`` on ``world`` ranks (torchrun's environment), return each rank's results
+    (the worker writes ``rank<N>.pt`` into ``out_dir``)."""
     job_path = os.path.join(out_dir, "job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
@@ -83,7 +86,7 @@ def launch(job: dict, out_dir: str, world: int = WORLD, timeout: int = TIMEOUT_S
         procs.append(
             (
                 subprocess.Popen(
-                    [sys.executable, __file__, "worker", job_path], env=env, stdout=log, stderr=subprocess.STDOUT
+                    [sys.executable, script, "worker", job_path], env=env, stdout=log, stderr=subprocess.STDOUT
                 ),
                 log,
             )
