@@ -1,0 +1,151 @@
+"""Weight-only int8 / int4 quantization: the storage format and its plain-torch reference.
+
+One format serves every path (Triton GEMMs on GPU, torch's packed CPU ops, the reference below, save/reload):
+
+- A weight ``w [N, K]`` (``N`` = out features, ``K`` = in features) is cut along ``K`` into groups of
+  ``group_size`` columns (the last group may be shorter); ``n_groups = ceil(K / group_size)``. Per-channel
+  quantization is ``group_size = K`` (one group per row).
+- ``scales [N, n_groups]`` and, for asymmetric quantization, ``zeros [N, n_groups]`` (both floating, the dtype the
+  caller picks, usually the activation dtype). Dequantization is ``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with
+  ``g = k // group_size``.
+- int8: ``qweight [N, K]`` int8. Symmetric: ``q`` in [-127, 127], ``z = 0`` (``zeros`` is None).
+  Asymmetric: ``q`` in [-128, 127] and ``z`` an integer-valued float.
+- int4: ``qweight [N, ceil(K / 2)]`` uint8, two columns per byte: column ``k`` is byte ``k // 2``, the low nibble
+  when ``k`` is even and the high nibble when odd (a padding nibble is 0 when ``K`` is odd). Nibbles are unsigned
+  ``u`` in [0, 15]. Symmetric: ``z = 8`` implicitly (``zeros`` is None, ``u - 8`` in [-8, 7], scale ``absmax / 7``).
+  Asymmetric: ``z`` in [0, 15], an integer-valued float.
+
+Everything is row-wise (groups and packing run along ``K``), so concatenating quantized weights along ``N`` (packing
+q/k/v into one qkv weight) is a plain ``torch.cat`` of ``qweight``, ``scales`` and ``zeros``, and slicing rows for
+column-parallel tensor parallelism slices the three alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["QuantSpec", "dequantize_weight", "quant_matmul_reference", "quantize_weight"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a weight is quantized: ``num_bits`` (8 or 4), ``group_size`` (columns per scale; clamp with
+    :meth:`for_features`) and ``symmetric``."""
+
+    num_bits: int
+    group_size: int
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise ValueError(f"quant num_bits must be 8 or 4, got {self.num_bits}")
+        if self.group_size < 1:
+            raise ValueError(f"quant group_size must be >= 1, got {self.group_size}")
+
+    def for_features(self, in_features: int) -> QuantSpec:
+        """The spec with ``group_size`` clamped to the row length ``in_features``."""
+        g = min(self.group_size, in_features)
+        return self if g == self.group_size else QuantSpec(self.num_bits, g, self.symmetric)
+
+    def n_groups(self, in_features: int) -> int:
+        return -(-in_features // min(self.group_size, in_features))
+
+    def packed_cols(self, in_features: int) -> int:
+        """Columns of ``qweight`` for ``in_features`` inputs (int4 packs two per byte)."""
+        return in_features if self.num_bits == 8 else -(-in_features // 2)
+
+
+def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``t [N, K] -> [N, n_groups, group_size]``, the ragged last group padded by repeating the row's last column
+    (so padding never changes a group's min/max)."""
+    n, k = t.shape
+    pad = -k % group_size
+    if pad:
+        t = torch.cat([t, t[:, -1:].expand(n, pad)], dim=1)
+    return t.reshape(n, -1, group_size)
+
+
+def quantize_weight(
+    weight: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``weight [N, K]`` (round to nearest). Returns ``(qweight, scales, zeros)`` in the module's format;
+    ``scales``/``zeros`` in ``scale_dtype`` (default: the weight's dtype). Computed in fp32."""
+    if weight.ndim != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_weight takes a 2-d floating weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    spec = spec.for_features(k)
+    scale_dtype = scale_dtype or weight.dtype
+    g = _grouped(weight.detach().float(), spec.group_size)  # [N, G, gs]
+    tiny = torch.finfo(torch.float32).tiny
+    if spec.symmetric:
+        qmax = 127.0 if spec.num_bits == 8 else 7.0
+        scale = (g.abs().amax(dim=-1) / qmax).clamp_min(tiny)  # [N, G]
+        zero = None
+        lo, hi = (-qmax, qmax) if spec.num_bits == 8 else (-8.0, 7.0)
+        q = torch.round(g / scale[..., None]).clamp_(lo, hi)
+        if spec.num_bits == 4:
+            q += 8.0  # stored unsigned
+    else:
+        lo, hi = (-128.0, 127.0) if spec.num_bits == 8 else (0.0, 15.0)
+        wmin = g.amin(dim=-1).clamp(max=0.0)  # include 0 so it stays exactly representable
+        wmax = g.amax(dim=-1).clamp(min=0.0)
+        scale = ((wmax - wmin) / (hi - lo)).clamp_min(tiny)
+        zero = (lo - torch.round(wmin / scale)).clamp_(lo, hi)  # [N, G]
+        q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(lo, hi)
+    # Round the scales to their stored dtype first so dequantization uses exactly what is stored.
+    scale_s = scale.to(scale_dtype)
+    q = q.reshape(n, -1)[:, :k]
+    if spec.num_bits == 8:
+        qweight = q.to(torch.int8)
+    else:
+        u = q.to(torch.uint8)
+        if k % 2:
+            u = torch.cat([u, torch.zeros(n, 1, dtype=torch.uint8, device=u.device)], dim=1)
+        qweight = u[:, 0::2] | (u[:, 1::2] << 4)  # [N, ceil(K/2)]
+    return qweight.contiguous(), scale_s.contiguous(), None if zero is None else zero.to(scale_dtype).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``qweight [N, ceil(K/2)]`` uint8 -> ``[N, K]`` uint8 nibbles in [0, 15]."""
+    lo, hi = qweight & 0xF, qweight >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(qweight.shape[0], -1)[:, :in_features]
+
+
+def dequantize_weight(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    spec: QuantSpec,
+    in_features: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The float weight ``[N, K]`` (in ``dtype``, default the scales' dtype) that ``qweight``/``scales``/``zeros``
+    stand for; the reference every quantized path is compared with."""
+    spec = spec.for_features(in_features)
+    q = (unpack_int4(qweight, in_features) if spec.num_bits == 4 else qweight).float()  # [N, K]
+    col_group = torch.arange(in_features, device=q.device) // spec.group_size  # [K]
+    s = scales.float()[:, col_group]  # [N, K]
+    if zeros is not None:
+        z = zeros.float()[:, col_group]
+    else:
+        z = 8.0 if spec.num_bits == 4 else 0.0
+    return ((q - z) * s).to(dtype or scales.dtype)
+
+
+def quant_matmul_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    spec: QuantSpec,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., K] @ dequant(w).T (+ bias) -> [..., N]`` in ``x.dtype``, accumulated in fp32."""
+    w = dequantize_weight(qweight, scales, zeros, spec, in_features, dtype=torch.float32)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
