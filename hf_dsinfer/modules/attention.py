@@ -173,7 +173,9 @@ class FusedAttention(nn.Module):
             return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
         if ctx.attend_len is not None:
-            out = _sync_free_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx, s)  # [B, Hq, D]
+            out = _sync_free_decode(
+                q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx, s, self.alibi_slopes
+            )  # [B, Hq, D]
             return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
@@ -211,12 +213,14 @@ def _sync_free_decode(
     v_cache: torch.Tensor,  # [Bmax, Hk, S, D]
     ctx: StepContext,
     spec: AttentionSpec,
+    alibi_slopes: torch.Tensor | None = None,  # [Hq] fp32 (bloom)
 ) -> torch.Tensor:
     """One decode step's KV store and attention in plain torch ops with no host sync (for ``torch.compile``).
 
     The same math as the kernels' references: the new token goes to slot ``cache_lens[b]`` (the caller checked that
     the request fits the cache), the query attends slots ``[0, seq_lens[b])`` (or the last ``sliding_window`` of
-    them) of the first ``ctx.attend_len`` slots, scores in fp32 with the optional softcap. Returns ``[B, Hq, D]``.
+    them) of the first ``ctx.attend_len`` slots, scores in fp32 with the optional softcap, then the optional ALiBi
+    bias ``slope[h] * j`` of slot ``j``. Returns ``[B, Hq, D]``.
     """
     B, Hq, D = q.shape
     Hk = k.shape[1]
@@ -232,6 +236,8 @@ def _sync_free_decode(
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
     j = torch.arange(L, device=q.device)
+    if alibi_slopes is not None:  # head h = kv head * G + g, as in the kernels' reference
+        scores = scores + alibi_slopes.float().view(Hk, Hq // Hk)[None, :, :, None] * j.float()
     lens = ctx.seq_lens.long()[:, None]  # [B, 1]
     allowed = j[None, :] < lens  # [B, L]
     if spec.sliding_window is not None:
