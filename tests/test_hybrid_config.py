@@ -119,7 +119,9 @@ def test_memory_beyond_the_training_model(dtype):
     assert he.memory()["kv_cache"] == 0, "release_inference_cache=True frees the cache after the generation"
 
 
-def test_inference_tp_size_above_one_is_refused_by_name():
+def test_inference_tp_size_without_torchrun_is_refused_by_name(monkeypatch):
+    # inference_tp_size > 1 needs one process per rank (tests/test_hybrid_tp.py runs it on 2 gloo processes)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     settings = {"hybrid_engine": {"enabled": True, "inference_tp_size": 2}}
-    with pytest.raises(ValueError, match=r"hybrid_engine.inference_tp_size=2 yet.*Set hybrid_engine.inference_tp_size"):
+    with pytest.raises(ValueError, match=r"hybrid_engine.inference_tp_size=2 splits.*or set hybrid_engine"):
         HybridEngine(build_tiny("llama", seed=0), config=settings)

@@ -26,7 +26,8 @@ def generate_batch(
     """Generate for each prompt of ``inputs`` (lists of token ids) with ``engine``; transformers' output format."""
     from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-    if not inputs:
+    tp = getattr(engine, "tp", None)  # inference_tp_size > 1: every rank of the group makes the same calls
+    if not inputs and tp is None:
         return {}
     module = engine.module if engine.module is not None else engine.weights.hf_model
     config = generation_config if generation_config is not None else module.generation_config
@@ -38,10 +39,13 @@ def generate_batch(
     rows = max(1, engine.config.max_batch_size // copies)  # prompts per call, so expanded rows fit the KV cache
     extra: dict[str, Any] = {"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}
 
+    starts = list(range(0, len(inputs), rows))
+    if tp is not None:  # a rank with fewer chunks joins the group's remaining calls with an empty one
+        starts += [len(inputs)] * (tp.max_count(len(starts), device) - len(starts))
     results: dict[str, Any] = {}
-    for start in range(0, len(inputs), rows):
+    for start in starts:
         chunk = inputs[start : start + rows]
-        width = max(len(p) for p in chunk)
+        width = max((len(p) for p in chunk), default=1)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, P] left-padded
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, prompt in enumerate(chunk):

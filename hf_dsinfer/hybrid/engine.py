@@ -27,6 +27,7 @@ from ..log import logger
 from ..policies import get_injection, inject
 from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
 from .stats import HybridStats
+from .tp import make_inference_tp
 from .weights import TrainingWeights
 
 _OPTIMIZER_STEPS = [0]  # process-wide count of optimizer steps (a global post-step hook bumps it)
@@ -114,12 +115,8 @@ class HybridEngine:
         # hybrid_engine.enabled=false (DeepSpeed's default): no inference copy, generate runs on the training model.
         self.enabled = self.settings is None or self.settings.enabled
         self.config = resolve_inference_config(inference_config, config_kwargs, first.dtype)
-        if self.config.tp_size > 1:
-            setting = "hybrid_engine.inference_tp_size" if self.settings is not None else "tensor_parallel.tp_size"
-            raise ValueError(
-                f"HybridEngine does not support {setting}={self.config.tp_size} yet: each rank keeps a full inference "
-                f"copy and generates its own batch. Set {setting} to 1."
-            )
+        # inference_tp_size > 1: the copy is split over an inference group of ranks (hybrid/tp.py); None: one rank
+        self.tp = make_inference_tp(self.config, self.settings is not None) if self.enabled else None
         if self.config.checkpoint is not None:
             raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
         self.device = torch.device(device) if device is not None else _local_device(first)
@@ -162,6 +159,8 @@ class HybridEngine:
             infer = type(hf)._from_config(config, dtype=dtype)
         self._match_layer_lists(infer)
         self.weights.check_modules(infer)  # unknown adapters are refused before any memory is allocated
+        if self.tp is not None:
+            self.tp.shard(infer)  # on meta: only this rank's slices are allocated below
         aliases: dict[int, list[str]] = {}
         for name, p in infer.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -179,7 +178,10 @@ class HybridEngine:
 
         setattr(infer, CONFIG_ATTR, self.config)
         if self.config.replace_with_kernel_inject:
-            infer = inject(infer, self.config)  # no policy: one warning, the copy keeps HF's modules (still correct)
+            from ..integration.apply import tp_layout  # None unless the copy was split above
+
+            # no policy: one warning, the copy keeps HF's modules (split by AutoTP under TP; still correct)
+            infer = inject(infer, self.config, tp_layout(infer))
         # hf_dsinfer's decoding loop (and, with enable_cuda_graph on CUDA, the per-bucket decode graphs), exactly as
         # on a model loaded with an inference config. The graphs read the parameters refreshed in place below.
         from ..generation import install_generate
@@ -263,14 +265,19 @@ class HybridEngine:
                     prefix = f"{record.layers_prefix}.{i}."
                     with w.gathered(train_layers[i]):
                         record.policy.pack_into(
-                            infer, i, record.runtime.layers[i], lambda n, p=prefix: w.get(p + n), wmap
+                            infer, i, record.runtime.layers[i], lambda n, p=prefix: self._read(p + n), wmap
                         )
             for name, param in self._plain:
                 with w.gathered(w.module(name.rpartition(".")[0])):
-                    value = w.get(name)
+                    value = self._read(name)
                     if value.shape != param.shape:
                         raise ValueError(f"{name}: training shape {tuple(value.shape)} != {tuple(param.shape)}")
                     param.data.copy_(value)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""
+        value = self.weights.get(name)
+        return self.tp.local(name, value) if self.tp is not None else value
 
     def _current_fingerprint(self) -> Any:
         if self.refresh_policy != "auto":
@@ -391,7 +398,10 @@ class HybridEngine:
         if self.module is not None:
             self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
         t0 = self._now()
-        out = self._generate(args, kwargs)
+        if self.tp is None:
+            out = self._generate(args, kwargs)
+        else:  # the inference group generates its ranks' prompts as one batch; this rank gets its rows back
+            out = self.tp.generate(lambda **kw: self._generate((), kw), self.module, self.device, args, kwargs)
         elapsed = self._now() - t0
         seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         it = self.stats.last
@@ -455,6 +465,8 @@ class HybridEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
         with torch.no_grad():
+            if self.tp is not None:  # the group scores its ranks' rows together (hybrid/tp.py)
+                return self.tp.forward(self.module, self.device, args, kwargs)
             return (self.module or self.weights.hf_model)(*args, **kwargs)
 
     @property

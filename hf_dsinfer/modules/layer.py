@@ -26,6 +26,7 @@ from .linear import Linear
 from .mlp import FusedMLP, MLPSpec
 from .moe import MOE_PARAM_NAMES, FusedMoE, MoESpec
 from .norms import FusedNorm, NormSpec
+from .quant_linear import QuantLinear
 
 RESIDUAL_STYLES = ("pre", "sandwich", "parallel", "post", "post_block")
 
@@ -113,8 +114,12 @@ class FusedDecoderLayer(nn.Module):
         if missing:
             raise ValueError(f"layer {layer_idx} ({spec.residual} residual) is missing fused parameters {missing}")
 
-        def linear(prefix: str, row_parallel: bool = False) -> Linear:
-            return Linear(params[f"{prefix}.weight"], params.get(f"{prefix}.bias"), reduce if row_parallel else None)
+        def linear(prefix: str, row_parallel: bool = False) -> Linear | QuantLinear:
+            weight, bias, r = params[f"{prefix}.weight"], params.get(f"{prefix}.bias"), reduce if row_parallel else None
+            if isinstance(weight, QuantLinear):  # weight-only quantized: the packed module itself (no bias yet)
+                weight.bias, weight.reduce = bias, r
+                return weight
+            return Linear(weight, bias, r)
 
         norms = {}
         for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..log import logger
 from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
+from ..modules.quant_linear import QUANT_SUFFIXES, is_quantized_weight, pack_quantized, release_quantized
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
 from .tp_layout import TPLayout
@@ -236,6 +237,8 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
                 try:
                     hf_layer.get_parameter(n)
                 except AttributeError as e:
+                    if is_quantized_weight(hf_layer, n):
+                        continue  # a QuantLinear's buffer (weight-only quantization)
                     raise ValueError(
                         f"{type(policy).__name__}.weight_map: {fused_name!r} reads {n!r}, which layer {i} "
                         f"({type(hf_layer).__name__}) does not have"
@@ -257,7 +260,15 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         params: dict[str, nn.Parameter] = {}
         copied: set[str] = set()
         shared: set[str] = set()
+        quantized: list[nn.Module] = []
         for fused_name, src in maps[i].items():
+            if fused_name in LINEAR_WEIGHTS:
+                qlinear = pack_quantized(src, hf_layer)  # None: float weights
+                if qlinear is not None:
+                    params[fused_name] = qlinear
+                    if not src.shares():
+                        quantized += [hf_layer.get_submodule(n.rpartition(".")[0]) for n in src.names()]
+                    continue
             packed = src.pack(hf_layer.get_parameter)
             tensor = gemm_layout(packed) if fused_name in LINEAR_WEIGHTS else packed
             owned = tensor is not packed  # CPU: a K-major copy, so even a shared HF weight can be freed
@@ -268,6 +279,7 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
             (shared if src.shares() and not owned else copied).update(src.names())
         layers[i] = FusedDecoderLayer.from_params(specs[i], i, params, tp.reduce if tp is not None else None)
         _release(hf_layer, copied - shared)  # one layer at a time: peak memory grows by one layer, not a model
+        release_quantized(quantized)
         del hf_layer, params
 
     final_norm = None
@@ -305,6 +317,10 @@ def hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None =
                 raise KeyError(f"state dict of the injected model lacks {key!r}")
             for hf_name, tensor in src.unpack(sd.pop(key)).items():
                 sd[f"{record.layers_prefix}.{i}.{hf_name}"] = tensor
+            for suffix in QUANT_SUFFIXES:  # a quantized linear's scales/zeros split along the same rows
+                if key + suffix in sd:
+                    for hf_name, tensor in src.unpack(sd.pop(key + suffix)).items():
+                        sd[f"{record.layers_prefix}.{i}.{hf_name}{suffix}"] = tensor
     return _row_major(sd)
 
 

@@ -1,0 +1,315 @@
+"""Hybrid Engine with a tensor-parallel inference copy (``inference_tp_size=2``): 2 gloo processes on CPU.
+
+The two ranks start once (test_parallel's launcher, ``script=`` this file); each builds the same tiny fp32 llama,
+wraps it for training (DDP; FSDP2 in its own case) and compares a ``inference_tp_size=2`` engine with a ``tp=1``
+engine on the same weights, computed in the same process. The ranks pass *different* prompts (different counts and
+widths): each must get back exactly the rows a ``tp=1`` engine returns for its own prompts. Checked: greedy tokens
+(max_new_tokens, max_length, an eos list that ends rank 0's rows early), sampling with different seeds per rank
+(rank 0's RNG drives the group; rank 1's own RNG state is given back), scoring logits, ``generate_batch`` with a
+different number of chunks per rank, the refresh after an SGD step, training weights bit-unchanged, each rank
+holding about half of the inference weights, peft LoRA, FSDP2-sharded training weights, and settings that differ
+between the ranks (an error on both, no hang). Refusals that need no second process run here directly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from test_parallel import launch  # noqa: E402 - the gloo launcher, run on this file's worker
+from tiny_models import PAD, build_tiny, left_pad, prompts  # noqa: E402
+
+WORLD = 2
+TIMEOUT_S = 240
+NEW = 6
+TP_SECTION = {"hybrid_engine": {"enabled": True, "inference_tp_size": WORLD, "max_out_tokens": 64}}
+# each rank's prompts: different batch sizes and widths
+RANK_PROMPTS = {0: ((5, 9), 0), 1: ((4, 7, 3), 1)}
+
+
+def _greedy(engine, ids, mask, **kw):
+    kw = {"max_new_tokens": NEW, **kw}
+    return engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kw)
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[n] = local.detach().clone()
+    return out
+
+
+def _unchanged(before: dict[str, torch.Tensor], model) -> bool:
+    now = _snapshot(model)
+    return before.keys() == now.keys() and all(torch.equal(before[n], now[n]) for n in before)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return peft_model
+
+
+def _ddp_case(rank: int, res: dict) -> None:
+    """DDP-replicated llama: tp=2 engine against a tp=1 engine on the same weights, before and after an SGD step."""
+    import hf_dsinfer
+    from hf_dsinfer.policies import is_injected
+
+    torch.manual_seed(0)
+    model = build_tiny("llama", seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    lengths, seed = RANK_PROMPTS[rank]
+    ids, mask = left_pad(prompts(lengths, seed=seed))
+    one = hf_dsinfer.HybridEngine(ddp, inference_config={"max_out_tokens": 64})
+    before = _snapshot(ddp)
+    tp = hf_dsinfer.HybridEngine(ddp, config=TP_SECTION)
+    res["memory_ratio"] = tp.memory()["weights"] / one.memory()["weights"]
+    res["injected"] = is_injected(tp.module)
+
+    with one.inference(), tp.inference():
+        res["greedy"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+        # max_length counts the prompt, whose width differs between the ranks
+        res["max_length"] = (_greedy(tp, ids, mask, max_new_tokens=None, max_length=13),
+                             _greedy(one, ids, mask, max_new_tokens=None, max_length=13))  # fmt: skip
+        # an eos list (agreed by both ranks) holding rank 0's third generated tokens: rank 0's rows end early
+        ids0, mask0 = left_pad(prompts(*RANK_PROMPTS[0]))
+        eos = sorted(set(_greedy(one, ids0, mask0)[:, ids0.shape[1] + 2].tolist()))
+        res["eos"] = (_greedy(tp, ids, mask, eos_token_id=eos, max_new_tokens=12),
+                      _greedy(one, ids, mask, eos_token_id=eos, max_new_tokens=12))  # fmt: skip
+        # sampling: rank 1 seeds differently; the group draws with rank 0's state. Reference: the tp=1 engine on
+        # the group's concatenated batch (both ranks' prompts, left-padded together) with rank 0's seed.
+        group = [p for r in range(WORLD) for p in prompts(*RANK_PROMPTS[r])]
+        all_ids, all_mask = left_pad(group)
+        sample = dict(do_sample=True, top_k=0, temperature=1.0, max_new_tokens=NEW, pad_token_id=PAD)
+        torch.manual_seed(1234)
+        ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **sample)
+        offset = sum(len(RANK_PROMPTS[r][0]) for r in range(rank))
+        ref = ref[offset : offset + ids.shape[0], all_ids.shape[1] - ids.shape[1] :]
+        torch.manual_seed(1234 if rank == 0 else 999)
+        state = torch.get_rng_state()
+        got = tp.generate(input_ids=ids, attention_mask=mask, **sample)
+        res["sampled"] = (got, ref)
+        res["rng_own"] = torch.equal(torch.get_rng_state(), state) if rank else True
+        # scoring: the group's rows are right-padded and run together
+        res["logits"] = (tp(input_ids=ids, attention_mask=mask).logits, one(input_ids=ids, attention_mask=mask).logits)
+        # generate_batch, 2 prompts per call: rank 0 has 3 prompts (2 calls), rank 1 one (1 call, then an empty one)
+        raw = prompts((5, 3, 6), seed=7) if rank == 0 else prompts((4,), seed=8)
+        cfg = copy.deepcopy(tp.module.generation_config)
+        cfg.pad_token_id, cfg.do_sample, cfg.max_new_tokens = PAD, False, 4
+        tp.config.max_batch_size = one.config.max_batch_size = 2
+        got_b = tp.generate_batch(raw, generation_config=cfg)
+        ref_b = one.generate_batch(raw, generation_config=cfg)
+        res["batch"] = (
+            {k: v.generated_tokens for k, v in got_b.items()},
+            {k: v.generated_tokens for k, v in ref_b.items()},
+        )
+    res["unchanged_by_generate"] = _unchanged(before, ddp)
+
+    # one SGD step on a fixed batch (identical on both ranks): the refreshed tp=2 copy must still match tp=1
+    opt = torch.optim.SGD(ddp.parameters(), lr=2.0)
+    batch = torch.tensor(prompts((12, 12), seed=3))
+    ddp.train()
+    ddp(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    res["stepped"] = not _unchanged(before, ddp)
+    with one.inference(), tp.inference():
+        res["after_step"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+
+
+def _lora_case(rank: int, res: dict) -> None:
+    import hf_dsinfer
+
+    peft_model = _lora(build_tiny("llama", seed=0))
+    ddp = torch.nn.parallel.DistributedDataParallel(peft_model)
+    ids, mask = left_pad(prompts(*RANK_PROMPTS[rank]))
+    one = hf_dsinfer.HybridEngine(ddp, inference_config={"max_out_tokens": 64})
+    before = _snapshot(ddp)
+    tp = hf_dsinfer.HybridEngine(ddp, config=TP_SECTION)
+    res["lora"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+    res["lora_unchanged"] = _unchanged(before, ddp)
+
+
+def _fsdp_case(rank: int, res: dict) -> None:
+    """FSDP2-sharded training weights (DTensors): the refresh gathers each tensor, then keeps this rank's slice."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import hf_dsinfer
+
+    model = build_tiny("llama", seed=0)
+    ids, mask = left_pad(prompts(*RANK_PROMPTS[rank]))
+    one = hf_dsinfer.HybridEngine(build_tiny("llama", seed=0), inference_config={"max_out_tokens": 64})
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    res["fsdp_sharded"] = sum(isinstance(p, DTensor) for p in model.parameters())
+    before = _snapshot(model)
+    tp = hf_dsinfer.HybridEngine(model, config=TP_SECTION)
+    res["fsdp"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+    res["fsdp_unchanged"] = _unchanged(before, model)
+
+
+def _mismatch_case(rank: int, res: dict) -> None:
+    """Ranks passing different settings: both raise (no rank waits forever in a collective)."""
+    import hf_dsinfer
+
+    tp = hf_dsinfer.HybridEngine(build_tiny("llama", seed=0), config=TP_SECTION)
+    ids, mask = left_pad(prompts(*RANK_PROMPTS[rank]))
+    try:
+        _greedy(tp, ids, mask, max_new_tokens=3 + rank)
+        res["mismatch"] = "no error"
+    except ValueError as e:
+        res["mismatch"] = str(e)
+    try:  # one rank's bad request (an empty prompt) stops both
+        bad = ids[:, :0] if rank == 1 else ids
+        _greedy(tp, bad, mask[:, : bad.shape[1]])
+        res["bad_request"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        res["bad_request"] = f"{type(e).__name__}: {e}"
+    try:
+        hf_dsinfer.HybridEngine(build_tiny("llama", seed=0), config={"enabled": True, "inference_tp_size": 3})
+        res["too_large"] = "no error"
+    except ValueError as e:
+        res["too_large"] = str(e)
+
+
+CASES = {"ddp": _ddp_case, "lora": _lora_case, "fsdp": _fsdp_case, "mismatch": _mismatch_case}
+
+
+def worker(job_path: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict = {}
+    for name, case in CASES.items():
+        res: dict = {}
+        try:
+            case(rank, res)
+        except Exception:  # noqa: BLE001 - reported to the test through the result file
+            res["error"] = traceback.format_exc()
+        results[name] = res
+    torch.save(results, os.path.join(os.path.dirname(job_path), f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_tp")
+    return launch({}, str(root), world=WORLD, timeout=TIMEOUT_S, script=__file__)
+
+
+def _case(ranks, name: str) -> list[dict]:
+    out = []
+    for rank, results in enumerate(ranks):
+        res = results[name]
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        out.append(res)
+    return out
+
+
+def _same(pair, what: str, rank: int) -> None:
+    got, ref = pair
+    assert torch.equal(got, ref), f"rank {rank} {what}: tp=2 {got.tolist()} != tp=1 {ref.tolist()}"
+
+
+@pytest.mark.slow
+def test_tp2_greedy_equals_tp1_with_different_prompts_per_rank(ranks):
+    for rank, res in enumerate(_case(ranks, "ddp")):
+        assert res["injected"], "the tp=2 copy must run fused layers on its slices"
+        n = len(RANK_PROMPTS[rank][0])
+        assert res["greedy"][0].shape[0] == n, "each rank gets back its own rows only"
+        for what in ("greedy", "max_length", "eos", "after_step"):
+            _same(res[what], what, rank)
+        if rank == 0:  # the eos list ends rank 0's rows by their third token: cut where tp=1 stops, not at 12
+            assert res["eos"][0].shape[1] <= max(RANK_PROMPTS[0][0]) + 3, res["eos"][0].shape
+
+
+@pytest.mark.slow
+def test_tp2_sampling_follows_rank0_rng_and_logits_match(ranks):
+    for rank, res in enumerate(_case(ranks, "ddp")):
+        _same(res["sampled"], "sampled (rank 0's seed drives the group)", rank)
+        assert res["rng_own"], "rank 1's own RNG state must be given back after the group's generation"
+        got, ref = res["logits"]
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        got_b, ref_b = res["batch"]
+        assert got_b == ref_b, f"rank {rank} generate_batch: {got_b} != {ref_b}"
+
+
+@pytest.mark.slow
+def test_tp2_refresh_after_step_and_training_weights_untouched(ranks):
+    for res in _case(ranks, "ddp"):
+        assert res["unchanged_by_generate"], "generate must not write the training weights"
+        assert res["stepped"], "the SGD step must change the weights (else the refresh check proves nothing)"
+        assert not torch.equal(res["after_step"][1], res["greedy"][1]), "the step must change the greedy tokens"
+        # each rank holds its slices: about half of the fused weights (norms and rotary tables replicated)
+        assert 0.45 < res["memory_ratio"] < 0.6, res["memory_ratio"]
+
+
+@pytest.mark.slow
+def test_tp2_lora_and_fsdp2(ranks):
+    for rank, res in enumerate(_case(ranks, "lora")):
+        _same(res["lora"], "peft LoRA", rank)
+        assert res["lora_unchanged"]
+    for rank, res in enumerate(_case(ranks, "fsdp")):
+        assert res["fsdp_sharded"] > 0, "fully_shard left no DTensor: the case would prove nothing"
+        _same(res["fsdp"], "FSDP2", rank)
+        assert res["fsdp_unchanged"]
+
+
+@pytest.mark.slow
+def test_tp2_refusals_between_ranks(ranks):
+    for rank, res in enumerate(_case(ranks, "mismatch")):
+        assert "different generation settings" in res["mismatch"], res["mismatch"]
+        assert res["bad_request"] != "no error"
+        if rank == 0:
+            assert "refused their request" in res["bad_request"], res["bad_request"]
+        assert "hybrid_engine.inference_tp_size=3 is larger than the world size 2" in res["too_large"]
+
+
+# -- refusals that need no second process ---------------------------------------------------------------------------
+
+
+def test_inference_tp_without_process_group_is_refused(monkeypatch):
+    import hf_dsinfer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"hybrid_engine.inference_tp_size=2 .*torch.distributed is not initialized"):
+        hf_dsinfer.HybridEngine(build_tiny("llama", seed=0), config=TP_SECTION)
+    with pytest.raises(ValueError, match=r"tensor_parallel.tp_size=2 .*torchrun"):
+        hf_dsinfer.HybridEngine(build_tiny("llama", seed=0), tensor_parallel={"tp_size": 2})
+
+
+def test_world_size_not_a_multiple_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    from hf_dsinfer.hybrid import tp
+
+    monkeypatch.setattr(tp, "init_distributed", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    with pytest.raises(ValueError, match=r"hybrid_engine.inference_tp_size=2 does not divide the world size 3"):
+        tp.inference_group(2, "hybrid_engine.inference_tp_size")
+    with pytest.raises(ValueError, match=r"inference_tp_size=4 is larger than the world size 3"):
+        tp.inference_group(4, "hybrid_engine.inference_tp_size")
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
+    worker(sys.argv[2])
