@@ -53,6 +53,11 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     setattr(model, CONFIG_ATTR, cfg)
     model.eval()
     apply_tensor_parallel(model, cfg)
+    quant = cfg.quant_settings
+    if quant is not None:  # weight-only int8/int4: linears not already quantized at load (init_inference, AutoTP)
+        from .quant_config import quantize_model_
+
+        quantize_model_(model, quant)
     if cfg.injects:  # True or "auto" (the default): same path; no policy -> HF's modules, one warning
         from ..policies import inject
 

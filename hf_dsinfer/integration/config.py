@@ -21,6 +21,7 @@ import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .moe_config import MOE_TOP_LEVEL, MoEConfig, merge_top_level_moe_keys
+from .quant_config import QuantSettings, merge_int8_dtype, normalize_quant, parse_quant
 
 QUANT_METHOD = "dsinfer"
 AUTO = "auto"  # dtype / replace_with_kernel_inject: decided per model (see ``auto_dtype`` and docs/migration.md)
@@ -103,7 +104,10 @@ def normalize_dtype(value: Any, key: str = "dtype", allow_auto: bool = False) ->
         if canon is not None:
             return canon
     if value in ("int8", torch.int8) or str(value) == "torch.int8":
-        raise ValueError(f"{key}=int8 (weight quantization) is not supported yet; use fp16, bf16 or fp32.")
+        raise ValueError(
+            f"{key}=int8 is weight quantization: set it in the inference config (dtype='int8' or quant={{'enabled': "
+            "True, 'weight': {'num_bits': 8}}}) and leave this dtype as fp16, bf16, fp32 or 'auto'."
+        )
     valid = ", ".join(sorted(_DTYPE_BY_SPELLING) + ([AUTO] if allow_auto else []))
     raise ValueError(f"{key}={value!r} is not a dtype hf_dsinfer knows; use one of: {valid} (or a torch dtype).")
 
@@ -243,12 +247,14 @@ class InferenceConfig(QuantizationConfigMixin):
 
     def __init__(self, **kwargs: Any):
         kwargs.pop("quant_method", None)  # written by to_dict; transformers' from_dict passes it back
-        values = self._canonical_keys(kwargs)
+        values = merge_int8_dtype(self._canonical_keys(kwargs))  # dtype="int8" -> an int8 quant section
         merged = {**FIELDS, **values}
         self.quant_method = QUANT_METHOD
         self.dtype = normalize_dtype(merged["dtype"], allow_auto=True)
         # dtype="auto" resolved against a model (``resolve_dtype``); kept out of to_dict so "auto" round-trips.
         self._resolved_dtype: torch.dtype | None = None
+        # The quant section of the config.json a checkpoint was saved with (set by from_dict; None: float weights).
+        self._checkpoint_quant: QuantSettings | None = None
         tp = merged["tensor_parallel"]
         if isinstance(tp, TensorParallelConfig):
             tp = copy.deepcopy(tp)
@@ -354,6 +360,8 @@ class InferenceConfig(QuantizationConfigMixin):
         """transformers' loader entry point (config.json -> config). See ``integration/hooks.py`` for overrides."""
         override = _LOAD_OVERRIDE.get()
         config = copy.deepcopy(override) if override is not None else cls(**config_dict)
+        # How the checkpoint's weights are stored (a saved quantized model), whatever config replaces the saved one.
+        config._checkpoint_quant = parse_quant(config_dict.get("quant"))
         unused = {}
         for key, value in kwargs.items():
             if hasattr(config, key):
@@ -401,16 +409,7 @@ class InferenceConfig(QuantizationConfigMixin):
         if self.training_mp_size != 1:
             raise ValueError("training_mp_size other than 1 is not supported; reshard the checkpoint first.")
         self.moe = MoEConfig.from_value(self.moe)  # DeepSpeed's moe section (integration/moe_config.py)
-        for key in ("quant",):
-            v = getattr(self, key)
-            if v in (None, {}, False):
-                setattr(self, key, None)
-                continue
-            if not isinstance(v, Mapping) or v.get("enabled", True):
-                raise ValueError(
-                    f"{key}={v!r}: DeepSpeed's {key} settings are not supported by hf_dsinfer yet; remove {key!r} "
-                    f"(models load through transformers' own {'quantizers' if key == 'quant' else 'MoE layers'})."
-                )
+        self.quant = normalize_quant(self.quant)  # weight-only int8/int4 (integration/quant_config.py)
         for key in ("checkpoint", "save_mp_checkpoint_path"):
             v = getattr(self, key)
             if v is not None and not isinstance(v, (str, dict)):
@@ -442,6 +441,11 @@ class InferenceConfig(QuantizationConfigMixin):
             return getattr(torch, self.dtype)
         self._resolved_dtype = auto_dtype(source, device)
         return self._resolved_dtype
+
+    @property
+    def quant_settings(self) -> QuantSettings | None:
+        """The parsed ``quant`` section (weight-only int8/int4), or None when weights stay in ``dtype``."""
+        return parse_quant(self.quant)
 
     @property
     def injects(self) -> bool:
@@ -486,4 +490,5 @@ class InferenceConfig(QuantizationConfigMixin):
     def __deepcopy__(self, memo: dict) -> InferenceConfig:
         out = InferenceConfig(**self._field_values())
         out._resolved_dtype = self._resolved_dtype
+        out._checkpoint_quant = self._checkpoint_quant
         return out

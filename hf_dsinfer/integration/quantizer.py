@@ -5,6 +5,11 @@ transformers drives it: ``update_dtype`` picks the load dtype, ``update_device_m
 ``_process_model_after_weight_loading`` hands the loaded model to ``apply_inference_config``. Weights are saved as
 plain HF tensors, so a saved model also loads, unoptimized but correct, where hf_dsinfer is not installed.
 
+With ``quant`` (weight-only int8/int4): quantizable linears become :class:`QuantLinear` placeholders before loading
+and each checkpoint tensor is quantized as it is read (``get_quantize_ops``). A quantized model saves its quantized
+tensors under HF's names, flattened, with ``*_scales``/``*_zeros`` beside them: it reloads quantized with hf_dsinfer,
+and transformers alone refuses it (size mismatch) rather than loading integers as float weights.
+
 What transformers forces on any model with a quantizer (documented in docs/usage.md): ``.half()`` / ``.float()``
 raise (use ``.to(dtype)`` or the config's ``dtype``), and Trainer refuses full fine-tuning without adapters.
 """
@@ -16,8 +21,10 @@ from typing import Any
 import torch
 from transformers.quantizers.base import HfQuantizer
 
+from ..modules.quant_linear import QuantLinear, flat_for_save
 from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
 from .config import AUTO, InferenceConfig
+from .quant_config import finalize_quantized, quantize_on_load_op, resolve_load_quant, swap_placeholders
 
 
 class DsInferQuantizer(HfQuantizer):
@@ -28,6 +35,10 @@ class DsInferQuantizer(HfQuantizer):
     def __init__(self, quantization_config: InferenceConfig, **kwargs: Any):
         super().__init__(quantization_config, **kwargs)
         self.quantization_config: InferenceConfig = quantization_config
+        # Weight-only quantization of this load (integration/quant_config.py); the checkpoint holds quantized
+        # tensors only when it was saved quantized (a saved float model has a dsinfer config too).
+        self.quant = resolve_load_quant(quantization_config)
+        self.pre_quantized = bool(self.pre_quantized) and quantization_config._checkpoint_quant is not None
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         cfg = self.quantization_config
@@ -54,12 +65,29 @@ class DsInferQuantizer(HfQuantizer):
         return device_map
 
     def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
-        return False  # weights load as HF stores them; fused layers re-pack them after loading
+        # Only the buffers of quantized placeholders (quant enabled): everything else loads as HF stores it and
+        # fused layers re-pack it after loading. True also exempts them from transformers' shape check.
+        if self.quant is None:
+            return False
+        owner, _, attr = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            return False
+        return isinstance(module, QuantLinear) and attr in ("weight", "weight_scales", "weight_zeros")
+
+    def get_quantize_ops(self) -> Any:
+        return quantize_on_load_op(self)
 
     def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        if self.quant is not None:  # quantizable linears become quantized placeholders (still on meta)
+            dtype = kwargs.get("dtype") or self.quantization_config.torch_dtype
+            swap_placeholders(model, self.quant, dtype, self.pre_quantized)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        if self.quant is not None:
+            finalize_quantized(model)
         return apply_inference_config(model, self.quantization_config)
 
     def get_state_dict_and_metadata(self, model: Any) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
@@ -70,9 +98,13 @@ class DsInferQuantizer(HfQuantizer):
         """
         from ..policies import hf_state_dict, is_injected
 
-        if not is_injected(model):
+        if is_injected(model):
+            sd = hf_state_dict(model)
+        elif self.quant is not None or any(isinstance(m, QuantLinear) for m in model.modules()):
+            sd = model.state_dict()
+        else:
             return None, {}
-        return hf_state_dict(model), {}
+        return flat_for_save(sd), {}  # quantized weights flat: transformers alone refuses them (no silent garbage)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True

@@ -1,0 +1,336 @@
+"""DeepSpeed's ``quant`` inference section (weight-only int8 / int4), parsed and checked.
+
+Accepted forms (DeepSpeed's names)::
+
+    quant={"enabled": True, "weight": {"num_bits": 8 | 4, "q_groups": G, "q_type": "symmetric" | "asymmetric",
+                                       "lm_head": False}}
+    dtype="int8"          # the same as quant={"enabled": True, "weight": {"num_bits": 8}}
+
+``q_groups`` is DeepSpeed's "groups per output row" (each row of ``K`` inputs is cut into ``G`` groups of
+``ceil(K / G)`` columns); ``group_size`` (ours) gives the columns per group directly. Defaults: int8 per channel
+(one group per row), int4 groups of 128 columns (clamped to the row length). ``lm_head``: also quantize the LM head
+(default False: the head and the embeddings stay in the activation dtype). The parsed section is a plain,
+JSON-serializable dict (it is written to config.json with the rest of the inference config).
+
+The second half applies it: :func:`swap_placeholders` (before transformers loads the weights: quantized placeholders
+on the meta device), :class:`QuantizeOnLoad` (transformers' per-tensor quantize op: each checkpoint tensor is
+quantized as soon as it is read, so no float copy of the model exists), :func:`quantize_model_` (a built model, or
+a tensor-parallel slice right after it is read) and :func:`finalize_quantized` (after loading).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..log import logger
+
+if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig); the model half imports lazily
+    import torch
+    from torch import nn
+
+    from hf_dsinfer.kernels.quant_format import QuantSpec
+
+    from ..modules.quant_linear import QuantLinear
+
+INT4_DEFAULT_GROUP = 128
+_TOP_KEYS = ("enabled", "weight", "activation", "qkv")
+_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "lm_head", "quantized_initialization",
+                "post_init_quant")  # fmt: skip
+_Q_TYPES = {"symmetric": True, "asymmetric": False}
+
+
+def _check_keys(section: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    for key in section:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Unknown {where} key {key!r}.{hint} Valid keys: {', '.join(valid)}.")
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """The parsed ``quant`` section: how every quantized linear is stored.
+
+    Exactly one of ``group_size`` / ``q_groups`` is set (per-channel int8 is ``q_groups=1``).
+    """
+
+    num_bits: int
+    symmetric: bool = True
+    group_size: int | None = None
+    q_groups: int | None = None
+    lm_head: bool = False
+
+    def spec_for(self, in_features: int) -> QuantSpec:
+        """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row)."""
+        from hf_dsinfer.kernels.quant_format import QuantSpec
+        if self.group_size is not None:
+            group = min(self.group_size, in_features)
+        else:
+            group = -(-in_features // self.q_groups)  # ceil: G groups per row, the last may be shorter
+        return QuantSpec(self.num_bits, max(group, 1), self.symmetric)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized ``quant`` section (JSON-serializable, DeepSpeed's layout)."""
+        weight: dict[str, Any] = {
+            "num_bits": self.num_bits,
+            "q_type": "symmetric" if self.symmetric else "asymmetric",
+            "lm_head": self.lm_head,
+        }
+        if self.group_size is not None:
+            weight["group_size"] = self.group_size
+        else:
+            weight["q_groups"] = self.q_groups
+        return {"enabled": True, "weight": weight}
+
+    def describe(self) -> str:
+        """Short human description, e.g. ``int4 asymmetric, groups of 128``."""
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        groups = f"groups of {self.group_size}" if self.group_size is not None else (
+            "per channel" if self.q_groups == 1 else f"{self.q_groups} groups per row"
+        )
+        return f"int{self.num_bits} {kind}, {groups}"
+
+
+def parse_quant(value: Any) -> QuantSettings | None:
+    """Parse DeepSpeed's ``quant`` section; ``None``, ``False``, ``{}`` or ``enabled=False`` mean no quantization.
+
+    Errors name the key and the fix.
+    """
+    if value in (None, False) or (isinstance(value, Mapping) and not value):
+        return None
+    if isinstance(value, QuantSettings):
+        return value
+    if value is True:
+        value = {"enabled": True}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"quant must be a dict such as {{'enabled': True, 'weight': {{'num_bits': 8}}}}, got {value!r}."
+        )
+    _check_keys(value, _TOP_KEYS, "quant")
+    enabled = value.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"quant.enabled must be True or False, got {enabled!r}.")
+    if not enabled:
+        return None
+    for key in ("activation", "qkv"):
+        sub = value.get(key)
+        if sub not in (None, False, {}) and not (isinstance(sub, Mapping) and sub.get("enabled") is False):
+            raise ValueError(
+                f"quant.{key}={sub!r}: only weight-only quantization is supported (activations stay in the model's "
+                f"dtype); remove quant.{key} or set quant.{key}.enabled=False."
+            )
+    weight = value.get("weight") or {}
+    if not isinstance(weight, Mapping):
+        raise ValueError(f"quant.weight must be a dict such as {{'num_bits': 4, 'q_groups': 1}}, got {weight!r}.")
+    _check_keys(weight, _WEIGHT_KEYS, "quant.weight")
+    if weight.get("enabled", True) is False:
+        return None
+    bits = weight.get("num_bits", 8)
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ValueError(f"quant.weight.num_bits must be 8 or 4, got {bits!r}.")
+    q_type = weight.get("q_type", "symmetric")
+    if q_type not in _Q_TYPES:
+        raise ValueError(f"quant.weight.q_type must be 'symmetric' or 'asymmetric', got {q_type!r}.")
+    lm_head = weight.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"quant.weight.lm_head must be True or False, got {lm_head!r}.")
+    for key in ("quantized_initialization", "post_init_quant"):
+        if weight.get(key) not in (None, {}):
+            raise ValueError(
+                f"quant.weight.{key} is DeepSpeed's ZeRO-time quantization, not supported here; remove it (weights are "
+                "quantized while the checkpoint loads)."
+            )
+    group_size, q_groups = weight.get("group_size"), weight.get("q_groups")
+    if group_size is not None and q_groups is not None:
+        raise ValueError(
+            f"quant.weight.group_size={group_size!r} and quant.weight.q_groups={q_groups!r} both set the grouping "
+            "(columns per group vs groups per row); pass only one of them."
+        )
+    if group_size is not None:
+        group_size = _positive_int(group_size, "quant.weight.group_size")
+    elif q_groups is not None:
+        q_groups = _positive_int(q_groups, "quant.weight.q_groups")
+    elif bits == 4:
+        group_size = INT4_DEFAULT_GROUP
+    else:
+        q_groups = 1  # int8: per channel
+    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head)
+
+
+def merge_int8_dtype(values: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``dtype="int8"`` (DeepSpeed's int8 inference) into ``dtype="auto"`` plus an int8 ``quant`` section.
+
+    ``values``: the canonical InferenceConfig keys. A ``quant`` section that asks for other bits is a conflict.
+    """
+    import torch
+
+    dtype = values.get("dtype")
+    if not (dtype is torch.int8 or (isinstance(dtype, str) and dtype.strip().lower() in ("int8", "torch.int8"))):
+        return values
+    out = dict(values)
+    out["dtype"] = "auto"  # activations: the checkpoint's dtype (fp32 on CPU for fp16 ones; half on GPU)
+    quant = parse_quant(values.get("quant"))
+    if quant is None:
+        out["quant"] = QuantSettings(8, q_groups=1).to_dict()
+    elif quant.num_bits != 8:
+        raise ValueError(
+            f"dtype='int8' and quant.weight.num_bits={quant.num_bits} disagree; drop dtype='int8' (set the activation "
+            "dtype instead) or use num_bits=8."
+        )
+    return out
+
+
+def normalize_quant(value: Any) -> dict[str, Any] | None:
+    """The stored form of a ``quant`` value: the normalized dict, or None when quantization is off."""
+    settings = parse_quant(value)
+    return None if settings is None else settings.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Applying the section to a model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_load_quant(cfg: Any) -> QuantSettings | None:
+    """The quantization of this load: the config's, checked against the checkpoint's (a saved quantized model).
+
+    A quantized checkpoint keeps its own settings; a config that asks for different ones is refused (re-quantizing
+    quantized weights would only add error). A config without ``quant`` adopts the checkpoint's (written back to
+    ``cfg.quant`` so the model reports it).
+    """
+    wanted, stored = cfg.quant_settings, getattr(cfg, "_checkpoint_quant", None)
+    if stored is None:
+        return wanted
+    if wanted is None:
+        cfg.quant = stored.to_dict()
+        return stored
+    if wanted != stored:
+        raise ValueError(
+            f"the checkpoint holds weights quantized as {stored.describe()} but the inference config asks for "
+            f"{wanted.describe()}; drop `quant` from the config (the checkpoint's settings are used) or load the "
+            "original float checkpoint to quantize it differently."
+        )
+    return stored
+
+
+def _head_is_tied(model: nn.Module) -> bool:
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return False
+    try:
+        emb, head = get_in(), get_out()
+    except (AttributeError, NotImplementedError):
+        return False
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    return head is not None and emb is not None and (tied or head.weight is emb.weight)
+
+
+def _targets(model: nn.Module, settings: QuantSettings) -> list[tuple[str, nn.Linear]]:
+    from ..modules.quant_linear import quantizable_linears
+
+    lm_head = settings.lm_head
+    if lm_head and _head_is_tied(model):
+        logger.warning(
+            "quant.weight.lm_head=True: the LM head shares its weight with the input embedding (tied), which stays "
+            "in the activation dtype; the head is not quantized."
+        )
+        lm_head = False
+    return list(quantizable_linears(model, lm_head))
+
+
+def swap_placeholders(model: nn.Module, settings: QuantSettings, dtype: torch.dtype, quantized: bool) -> int:
+    """Before loading (``model`` on meta): replace each quantizable ``nn.Linear`` by a :class:`QuantLinear`
+    placeholder. ``quantized``: the checkpoint already holds quantized tensors. Returns the number replaced."""
+    from ..modules.quant_linear import QuantLinear, set_submodule
+
+    targets = _targets(model, settings)
+    for name, lin in targets:
+        spec = settings.spec_for(lin.in_features)
+        has_bias = lin.bias is not None
+        set_submodule(model, name, QuantLinear.placeholder(lin.in_features, lin.out_features, spec, has_bias, dtype,
+                                                           quantized))  # fmt: skip
+    return len(targets)
+
+
+def finalize_quantized(model: nn.Module) -> None:
+    """After loading: every :class:`QuantLinear` checks its buffers (and unflattens a saved weight)."""
+    from ..modules.quant_linear import QuantLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.finalize()
+
+
+def _row_parallel_reduce(module: nn.Module):
+    """The all-reduce of a (non-transposed) ``RowParallelLinear`` from AutoTP, else None."""
+    if type(module).__name__ != "RowParallelLinear" or getattr(module, "transposed", True):
+        return None
+    from ..parallel import all_reduce_
+
+    group = module.tp
+    return lambda t: all_reduce_(t, group)
+
+
+def quantize_model_(model: nn.Module, settings: QuantSettings) -> int:
+    """Quantize, in place, every quantizable float linear still in ``model`` (HF ``nn.Linear`` modules and AutoTP's
+    row-parallel wrappers), one at a time, freeing each float weight. Returns the number quantized."""
+    from torch import nn
+
+    from ..modules.quant_linear import QuantLinear, set_submodule
+
+    count = 0
+    targets: list[tuple[str, nn.Module, Any]] = [(n, m, None) for n, m in _targets(model, settings)]
+    for name, module in model.named_modules():
+        reduce = _row_parallel_reduce(module)
+        if reduce is not None and "expert" not in name:
+            targets.append((name, module, reduce))
+    for name, module, reduce in targets:
+        w = module.weight
+        if w.is_meta:
+            raise ValueError(f"{name} has no weights yet (meta device); load the model before quantizing it.")
+        q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, reduce)
+        set_submodule(model, name, q)
+        module.weight = None if isinstance(module, nn.Linear) else module.weight  # drop our reference early
+        count += 1
+    return count
+
+
+def quantize_loaded(module: nn.Module, settings: QuantSettings) -> QuantLinear:
+    """A :class:`QuantLinear` from one loaded float ``nn.Linear`` (used by the tensor-parallel loader)."""
+    from ..modules.quant_linear import QuantLinear
+
+    w = module.weight
+    return QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype)
+
+
+def quantize_on_load_op(quantizer: Any) -> Any:
+    """transformers' per-tensor quantize op (a ``ConversionOps``): one checkpoint tensor in (float ``[N, K]``), the
+    quantized buffers of its :class:`QuantLinear` out. The float tensor is dropped right after."""
+    from transformers.core_model_loading import ConversionOps
+
+    from hf_dsinfer.kernels.quant_format import quantize_weight
+
+    class QuantizeOnLoad(ConversionOps):
+        def convert(
+            self, input_dict: dict[str, Any], full_layer_name: str | None = None, model: Any = None, **kwargs: Any
+        ) -> dict[str, torch.Tensor]:
+            (value,) = input_dict.values()
+            value = value[0] if isinstance(value, list) else value
+            module = model.get_submodule(full_layer_name.rpartition(".")[0])
+            q, s, z = quantize_weight(value, module.spec, module.weight_scales.dtype)
+            del value
+            out = {full_layer_name: q, f"{full_layer_name}_scales": s}
+            if z is not None:
+                out[f"{full_layer_name}_zeros"] = z
+            return out
+
+    return QuantizeOnLoad()

@@ -1,0 +1,296 @@
+"""Weight-only quantized linear layers (int8 / int4, ``kernels/quant_format.py``'s storage format).
+
+:class:`QuantLinear` stands in for both ``nn.Linear`` inside HF's own modules (models or layers without a policy) and
+:class:`~hf_dsinfer.modules.Linear` inside fused layers (packed ``qkv`` / ``gate_up``, row-parallel ``o`` / ``down``).
+Its state is three buffers with fixed names, so ``state_dict`` keys say what they are:
+
+* ``weight``: the quantized weight ``[N, K]`` int8, or ``[N, ceil(K / 2)]`` uint8 (int4, two per byte);
+* ``weight_scales`` ``[N, n_groups]`` and, asymmetric only, ``weight_zeros`` ``[N, n_groups]`` (activation dtype).
+
+Everything is row-wise, so packing q/k/v or gate/up is a ``torch.cat`` of the three along rows, and slicing rows
+(column-parallel TP) slices them alike. The matmul goes through one function, :func:`quant_matmul`, which picks the
+device kernel (``kernels/quant_gemm.py``) when it is installed and the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quant_matmul_reference, quantize_weight
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+try:  # the device kernels (Triton on CUDA, torch's packed CPU ops on CPU); the reference until they exist
+    from hf_dsinfer.kernels.quant_gemm import quant_matmul as _kernel_matmul
+except ImportError:  # pragma: no cover - depends on which kernels are installed
+    _kernel_matmul = None
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    spec: QuantSpec,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., K] @ dequant(weight).T (+ bias) -> [..., N]`` in ``x.dtype``: the one switch between kernels."""
+    fn = _kernel_matmul if _kernel_matmul is not None else quant_matmul_reference
+    return fn(x, weight, scales, zeros, spec, in_features, bias)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(weight).T + bias`` with a weight-only quantized ``weight`` (see the module docstring).
+
+    Same call interface as :class:`~hf_dsinfer.modules.Linear`: ``reduce`` makes it row-parallel (an in-place sum
+    over tensor-parallel ranks applied before the bias), and ``forward(x, defer_reduce=True)`` returns this rank's
+    partial product. Also a drop-in for ``nn.Linear`` inside HF modules (``in_features``/``out_features`` attributes,
+    ``forward(x)``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        spec: QuantSpec,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        reduce: Reduce | None = None,
+    ):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.spec = spec.for_features(self.in_features)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scales", scales)
+        self.register_buffer("weight_zeros", zeros)
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias, requires_grad=False)
+        self.bias = bias
+        self.reduce = reduce
+
+    # -- construction --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        spec: QuantSpec,
+        bias: torch.Tensor | None = None,
+        scale_dtype: torch.dtype | None = None,
+        reduce: Reduce | None = None,
+    ) -> QuantLinear:
+        """Quantize a float ``weight [N, K]`` (round to nearest); ``scale_dtype``: default the weight's dtype."""
+        n, k = weight.shape
+        q, s, z = quantize_weight(weight, spec.for_features(k), scale_dtype)
+        return cls(k, n, spec, q, s, z, bias, reduce)
+
+    @classmethod
+    def placeholder(
+        cls,
+        in_features: int,
+        out_features: int,
+        spec: QuantSpec,
+        bias: bool,
+        dtype: torch.dtype,
+        quantized_checkpoint: bool,
+    ) -> QuantLinear:
+        """A meta-device module for transformers' loader to fill.
+
+        ``quantized_checkpoint=False``: ``weight`` is a float ``[N, K]`` placeholder that the loader's quantize op
+        turns into the quantized tensors; True: the flat quantized weight a saved model stores (see
+        :func:`flat_for_save`), restored to 2-d by :meth:`finalize`.
+        """
+        spec = spec.for_features(in_features)
+        meta = torch.device("meta")
+        groups = spec.n_groups(in_features)
+        if quantized_checkpoint:
+            wdtype = torch.int8 if spec.num_bits == 8 else torch.uint8
+            weight = torch.empty(out_features * spec.packed_cols(in_features), dtype=wdtype, device=meta)
+        else:
+            weight = torch.empty(out_features, in_features, dtype=dtype, device=meta)
+        scales = torch.empty(out_features, groups, dtype=dtype, device=meta)
+        zeros = None if spec.symmetric else torch.empty(out_features, groups, dtype=dtype, device=meta)
+        b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=meta), requires_grad=False) if bias else None
+        return cls(in_features, out_features, spec, weight, scales, zeros, b)
+
+    def finalize(self) -> None:
+        """Check the loaded buffers (and give a flat saved weight its 2-d shape); errors say what does not match."""
+        n, k, spec = self.out_features, self.in_features, self.spec
+        want = (n, spec.packed_cols(k))
+        wdtype = torch.int8 if spec.num_bits == 8 else torch.uint8
+        if self.weight.ndim == 1 and self.weight.numel() == want[0] * want[1]:
+            self.weight = self.weight.view(want)
+        problems = []
+        if tuple(self.weight.shape) != want or self.weight.dtype != wdtype:
+            problems.append(f"weight {self.weight.dtype} {tuple(self.weight.shape)} (expected {wdtype} {want})")
+        g = spec.n_groups(k)
+        if tuple(self.weight_scales.shape) != (n, g):
+            problems.append(f"weight_scales {tuple(self.weight_scales.shape)} (expected {(n, g)})")
+        if (self.weight_zeros is None) != spec.symmetric:
+            problems.append("weight_zeros " + ("missing (asymmetric)" if self.weight_zeros is None else "unexpected"))
+        if problems:
+            raise ValueError(
+                f"quantized weights do not match int{spec.num_bits} {'symmetric' if spec.symmetric else 'asymmetric'} "
+                f"groups of {spec.group_size}: {'; '.join(problems)}. Load the checkpoint with the quant settings it "
+                "was saved with (they are in its config.json)."
+            )
+
+    # -- compute ---------------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+        """``x [..., in] -> [..., out]`` (``defer_reduce``: see :meth:`hf_dsinfer.modules.Linear.forward`)."""
+        if self.reduce is None:
+            return quant_matmul(x, self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features,
+                                self.bias)  # fmt: skip
+        y = quant_matmul(x, self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features)
+        if defer_reduce:
+            return y
+        y = self.reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight ``[N, K]`` these buffers stand for (default dtype: the scales')."""
+        return dequantize_weight(self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features, dtype)
+
+    def quantized_nbytes(self) -> int:
+        """Bytes held by the quantized weight, its scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.weight_scales, self.weight_zeros)
+                   if t is not None)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        kind = "sym" if s.symmetric else "asym"
+        tp = ", row_parallel=True" if self.reduce is not None else ""
+        return (f"in={self.in_features}, out={self.out_features}, int{s.num_bits} {kind} group={s.group_size}, "
+                f"bias={self.bias is not None}{tp}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which linears of an HF model are quantized, and swapping them
+# ---------------------------------------------------------------------------------------------------------------------
+
+# MoE routers and everything inside experts stay in the activation dtype: routing is sensitive to small errors, and
+# fused expert tensors are not nn.Linear modules.
+_SKIP_LEAF = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")
+
+
+def quantizable_linears(model: nn.Module, lm_head: bool = False) -> Iterator[tuple[str, nn.Linear]]:
+    """``(name, module)`` of every ``nn.Linear`` to quantize: all of them except the LM head (unless ``lm_head``),
+    MoE routers and experts, and modules transformers keeps in fp32 (``_keep_in_fp32_modules``)."""
+    head = None
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_head is not None:
+        try:
+            head = get_head()
+        except (AttributeError, NotImplementedError):
+            head = None
+    keep_fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if module is head and not lm_head:
+            continue
+        if _SKIP_LEAF.search(name) or "expert" in name or any(k in name.split(".") for k in keep_fp32):
+            continue
+        yield name, module
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted path ``name``."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def flat_for_save(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with every quantized weight (a ``*.weight`` next to a ``*.weight_scales``) flattened to 1-d.
+
+    Saved under HF's own names but not in HF's ``[out, in]`` shape, so transformers without hf_dsinfer refuses the
+    checkpoint (a size mismatch) instead of reading quantized integers as float weights.
+    """
+    out = dict(state_dict)
+    for key in state_dict:
+        if key.endswith(".weight_scales"):
+            wkey = key[: -len("_scales")]
+            if wkey in out:
+                out[wkey] = out[wkey].reshape(-1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Packing quantized HF linears into fused ones (kernel injection)
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: State-dict suffixes of a quantized weight's companions (``<name>.weight`` + suffix).
+QUANT_SUFFIXES = ("_scales", "_zeros")
+
+
+def _owner(layer: nn.Module, name: str) -> tuple[nn.Module | None, str]:
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        return (layer.get_submodule(owner_name) if owner_name else layer), attr
+    except AttributeError:
+        return None, attr
+
+
+def is_quantized_weight(layer: nn.Module, name: str) -> bool:
+    """True when ``name`` (relative to ``layer``) is the ``weight`` of a :class:`QuantLinear`."""
+    owner, attr = _owner(layer, name)
+    return isinstance(owner, QuantLinear) and attr == "weight"
+
+
+def _row_wise(source: object) -> bool:
+    """Whether a policy source only shares or row-concatenates (``Param`` / ``Cat`` of ``Param``): the operations
+    that commute with row-wise quantization. Checked by class name (policies sit above this layer)."""
+    kind = type(source).__name__
+    if kind == "Param":
+        return True
+    return kind == "Cat" and all(type(p).__name__ == "Param" for p in source.parts)
+
+
+def pack_quantized(source: object, layer: nn.Module) -> QuantLinear | None:
+    """The fused :class:`QuantLinear` a policy ``source`` (``Param`` or ``Cat``) builds from quantized HF linears in
+    ``layer``: ``weight``, ``weight_scales`` and ``weight_zeros`` each packed by the same source (row-wise format).
+
+    None when the source reads float weights. Raises when it mixes quantized and float parts, quantization settings
+    or row lengths, or transforms the weight in a way row-wise quantization does not survive (GPT-2's ``Conv1D``).
+    """
+    names = source.names()
+    owners = [_owner(layer, n) for n in names]
+    quant = [isinstance(o, QuantLinear) and a == "weight" for o, a in owners]
+    if not any(quant):
+        return None
+    parts = [o for o, _ in owners]
+    if not all(quant) or not _row_wise(source):
+        raise ValueError(
+            f"cannot pack {names} into one fused quantized linear: some are quantized and some are not, or the policy "
+            "transforms them (only sharing and row concatenation keep the quantized format). Load without `quant`."
+        )
+    first = parts[0]
+    if any(p.spec != first.spec or p.in_features != first.in_features for p in parts):
+        raise ValueError(f"{names} are quantized with different settings or row lengths; they cannot be packed.")
+
+    def get(suffix: str):
+        return lambda n: layer.get_buffer(n + suffix)
+
+    weight = source.pack(get(""))  # [N, packed_cols]
+    scales = source.pack(get("_scales"))  # [N, n_groups]
+    zeros = source.pack(get("_zeros")) if first.weight_zeros is not None else None
+    return QuantLinear(first.in_features, weight.shape[0], first.spec, weight, scales, zeros)
+
+
+def release_quantized(modules: list[nn.Module]) -> None:
+    """Empty the buffers of HF quantized linears whose contents were copied into packed fused ones."""
+    for m in modules:
+        if isinstance(m, QuantLinear):
+            for name in ("weight", "weight_scales", "weight_zeros"):
+                t = getattr(m, name)
+                if t is not None:
+                    setattr(m, name, torch.empty(0, dtype=t.dtype, device=t.device))
