@@ -49,7 +49,7 @@ ARCHS = {
 }
 CONSUMER_SMEM_BLOCK = 101376  # sm_86 / sm_89: what the portable tile tables must fit
 MODULES = ("norms", "activations", "rotary", "kv_cache", "prefill_attention", "decode_attention",
-           "encoder_attention", "moe_gemm")  # fmt: skip
+           "encoder_attention", "moe_gemm", "quant_gemm")  # fmt: skip
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 PACKAGE = "aot_kernels"  # the checkout's kernels/ imported under a private name (see kernel_package)
 
@@ -230,6 +230,36 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
                                     E(8, dtype=torch.int32), E(rows, dtype=torch.int64))  # fmt: skip
 
             out.append((f"moe_gemm mixtral gate_up {label}", "bf16", gemm))
+    if "quant_gemm" in mods:
+        qg = mods["quant_gemm"]
+        qf = importlib.import_module(f"{PACKAGE}.quant_format")
+        # llama3-8b projections: (name, N, K); int8 per-channel, int4 group 128 (symmetric and asymmetric), and a
+        # group size no power-of-two K tile divides (per-element scales).
+        specs = (("int8", qf.QuantSpec(8, 4096, True)), ("int4 g128", qf.QuantSpec(4, 128, True)),
+                 ("int4 g128 asym", qf.QuantSpec(4, 128, False)), ("int8 g40", qf.QuantSpec(8, 40, True)))  # fmt: skip
+        for pname, n, k in (("gate_up", 2 * 14336, 4096), ("down", 4096, 14336), ("o", 4096, 4096)):
+            for sname, spec in specs:
+                for tname, m in (("decode B1", 1), ("decode B16", 16), ("prefill T2048", 2048)):
+                    dnames = ("bf16", "fp16") if pname == "gate_up" and sname == "int4 g128" else ("bf16",)
+                    if pname != "gate_up" and (sname != "int4 g128" or m == 2048):
+                        continue  # the other projections: int4 decode only (split-K counts differ with N and K)
+                    for dn in dnames:
+                        def quant(n=n, k=k, spec=spec, m=m, dt=dts[dn]):
+                            sp = spec.for_features(k)
+                            wdt = torch.int8 if sp.num_bits == 8 else torch.uint8
+                            g = sp.n_groups(k)
+                            qg.quant_matmul_triton(E(m, k, dtype=dt), E(n, sp.packed_cols(k), dtype=wdt),
+                                                   E(n, g, dtype=dt), None if sp.symmetric else E(n, g, dtype=dt),
+                                                   sp, k, E(n, dtype=dt))  # fmt: skip
+
+                        out.append((f"quant_gemm {sname} {pname} [{n},{k}] {dn} {tname}", dn, quant))
+        out.append(("quant_gemm int8 gate_up fp32 decode B1", "fp32",
+                    lambda: qg.quant_matmul_triton(E(1, 4096, dtype=torch.float32), E(8192, 4096, dtype=torch.int8),
+                                                   E(8192, 1, dtype=torch.float32), None, qf.QuantSpec(8, 4096), 4096)))  # fmt: skip
+        out.append(("quant_gemm int4 g128 fp32 prefill T512", "fp32",
+                    lambda: qg.quant_matmul_triton(E(512, 4096, dtype=torch.float32),
+                                                   E(8192, 2048, dtype=torch.uint8), E(8192, 32, dtype=torch.float32),
+                                                   None, qf.QuantSpec(4, 128), 4096)))  # fmt: skip
     return out
 
 
