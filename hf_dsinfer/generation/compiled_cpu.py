@@ -15,9 +15,12 @@ Shapes are kept stable so that one compiled graph serves every step of every ``g
   ``StepContext.attend_len``).
 
 Weights are not frozen: the compiled graph reads the model's parameters on every call, so in-place weight updates
-(the Hybrid Engine's refresh) are seen by the next step. If compiling fails the step falls back to eager torch for
-good, with one warning. ``InferenceConfig.cpu_compile=False`` (or ``HF_DSINFER_CPU_COMPILE=0``) keeps the eager
-path, which is also the reference the compiled one is tested against.
+(the Hybrid Engine's refresh) are seen by the next step. In buckets of 4 rows and more the linears and the LM head
+call :mod:`~hf_dsinfer.modules.cpu_packed`'s op from the graph: oneDNN over a prepacked copy of each weight, which the
+op re-packs when the weight changed (``HF_DSINFER_CPU_PACKED=0`` keeps ``F.linear``).
+
+If compiling fails the step falls back to eager torch for good, with one warning. ``InferenceConfig.cpu_compile=False``
+(or ``HF_DSINFER_CPU_COMPILE=0``) keeps the eager path, which is also the reference the compiled one is tested against.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from hf_dsinfer.kernels.backend import get_backend
 
 from ..log import logger
+from ..modules import cpu_packed
 from .graph_runner import GraphRunner, StaticInput
 
 if TYPE_CHECKING:
@@ -111,8 +115,10 @@ class CompiledCPUDecode:
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
             self._compiled = torch.compile(types.MethodType(traced, self.step), fullgraph=True, dynamic=False)
+            cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
             inputs = {"input_ids": StaticInput((1,), torch.long, 0), "positions": StaticInput((1,), torch.long, 0)}
             self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name="decode")
+        cpu_packed.sync()  # HF_DSINFER_CPU_PACKED -> the switch the graph reads (a change recompiles the bucket)
         batch = input_ids.shape[0]
         bucket = self.runner.bucket_for(batch)
         if bucket is None or bucket > self.step.cache.allocated_rows:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..log import logger
-from ..modules import StepContext
+from ..modules import StepContext, cpu_packed
 from .compiled_cpu import CompiledCPUDecode
 from .graph_runner import GraphRunner, StaticInput, batch_buckets
 
@@ -78,7 +78,7 @@ class DecodeStep:
         ctx.attend_len = attend_len
         hidden = rt.run_layers(self.model, hidden, ctx)
         cache.lengths[:batch] += 1  # in place: a replayed graph advances the same tensor
-        logits = self.lm_head(hidden[:, -1])  # [B, V]
+        logits = cpu_packed.module_forward(self.lm_head, hidden[:, -1])  # [B, V]; CPU fp32 B >= 4: prepacked
         return self.policy.finalize_logits(self.model, logits).float()
 
 

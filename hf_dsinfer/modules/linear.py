@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_packed
+
 
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` in the memory layout the device's GEMM reads fastest; same shape and values.
@@ -31,6 +33,8 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` over a given ``weight [out, in]`` and optional ``bias [out]``.
 
     Unlike ``nn.Linear`` it takes the parameters it computes with, so re-packed or shared HF weights are used in place.
+    On CPU in fp32 with at least ``cpu_packed.MIN_ROWS`` rows the product runs over a oneDNN-prepacked copy of the
+    weight, a cache rebuilt when the weight changes (see :mod:`.cpu_packed`); the parameter itself is unchanged.
     ``reduce``: for a row-parallel linear (tensor parallelism: ``in`` is this rank's slice of the input features), an
     in-place sum over the ranks applied to ``x @ weight.T`` before the bias, so the bias counts once. It is a callable
     (``t -> t``) so this layer does not depend on ``hf_dsinfer.parallel``; inside a captured CUDA graph the collective
@@ -51,6 +55,7 @@ class Linear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.reduce = reduce
+        cpu_packed.ensure_slot(self)  # a cache slot for the weight's oneDNN-packed copy (CPU, batch >= 4)
 
     @property
     def out_features(self) -> int:
@@ -60,9 +65,14 @@ class Linear(nn.Module):
         """``x [..., in] -> [..., out]``. ``defer_reduce`` (row-parallel only): return this rank's partial product
         without reducing and without the bias; the caller sums partials of several linears, reduces once and adds
         each bias (a parallel-residual block does this)."""
-        if self.reduce is None:
+        if cpu_packed.applies(x, self.weight, self):  # fp32 CPU, >= 4 rows: the prepacked oneDNN GEMM
+            if self.reduce is None:
+                return cpu_packed.linear(x, self.weight, self.bias, self)
+            y = cpu_packed.linear(x, self.weight, None, self)
+        elif self.reduce is None:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)  # this rank's partial sums [..., out]
+        else:
+            y = F.linear(x, self.weight)  # this rank's partial sums [..., out]
         if defer_reduce:
             return y
         y = self.reduce(y)  # full sums on every rank

@@ -1,0 +1,232 @@
+"""oneDNN-prepacked weights for the fp32 CPU GEMMs of decoding at batch >= :data:`MIN_ROWS`: a cache, not a parameter.
+
+Why: at ``M = 4..16`` rows (batched decoding) MKL's ``sgemm`` over a plain weight re-packs its operand on every call,
+and the largest GEMM of a step (the LM head, ``[vocab, hidden]``) then streams the weight at less than half the rate it
+reaches at ``M = 1``. oneDNN's linear over a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``, the ops inductor's CPU
+"freezing" pass uses) skips that: measured on this project's 2-core EPYC, torch 2.13, 1 thread, the `small` preset's
+linears summed, about 1.4-1.9x faster at ``M = 4`` and ``8`` (docs/performance.md). At ``M = 1`` MKL's GEMV over the
+K-major layout (``linear.gemm_layout``) is faster than any packing, and at ``M = 2`` they are even, so fewer rows keep
+the plain path.
+
+How it stays correct:
+
+* the plain weight stays the parameter: ``state_dict``, save/reload, TP slicing and the Hybrid Engine read and write
+  it as before. The packed copy lives in a process-wide table keyed by a *slot* number stored on the owning module
+  (:func:`ensure_slot`) and is dropped when the module is garbage-collected;
+* it is rebuilt on the next call whenever the weight's storage (``data_ptr``), shape or autograd version counter
+  (``_version``, bumped by any in-place op such as ``load_state_dict``'s ``copy_``) changed. Writes through ``.data``
+  bypass the version counter: whoever does that (the Hybrid Engine's refresh does) calls :func:`invalidate`;
+* the GEMM runs as the custom op ``torch.ops.hf_dsinfer.cpu_packed_linear(x, weight, bias, slot)``: the compiled CPU
+  decode step calls it from its graph with the *plain* weight as input, so the staleness check runs on every call,
+  inside or outside ``torch.compile`` (an opaque oneDNN tensor cannot be a graph input without freezing);
+* where the ops are missing (non-x86, a torch build without oneDNN) or fail a one-off probe, every linear keeps
+  ``F.linear``, silently (a debug log line), and so does anything that needs autograd or is not fp32 on CPU.
+
+Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU holds its linear and LM-head
+weights twice (the embedding is not packed). ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read
+before every step); :func:`packed_bytes` tells what the cache holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: ``HF_DSINFER_CPU_PACKED=0`` (or false/off/no) keeps every CPU linear on ``F.linear`` and frees no memory twice.
+ENV_VAR = "HF_DSINFER_CPU_PACKED"
+#: Fewest rows (``x.numel() // in_features``) that take the packed GEMM; fewer keep ``F.linear`` (see module doc).
+MIN_ROWS = 4
+#: The attribute holding a module's slot number (a plain int: not a parameter, buffer or ``state_dict`` entry).
+SLOT_ATTR = "_hf_dsinfer_pack_slot"
+_OFF = ("0", "false", "off", "no")
+
+
+@dataclass
+class _Pack:
+    """One packed weight and what it was packed from."""
+
+    ptr: int  # data_ptr of the plain weight
+    version: int  # its _version (-1 for inference tensors, which have none)
+    shape: tuple[int, ...]  # [out, in]
+    packed: torch.Tensor  # opaque oneDNN tensor
+
+
+_packs: dict[int, _Pack] = {}  # slot -> pack (empty slots have no entry)
+_owners: dict[int, weakref.ref] = {}  # slot -> its module
+_slots = itertools.count(1)
+_available: bool | None = None
+_on = False  # the process-wide switch, refreshed by sync() outside compiled graphs (a traced read is guarded)
+
+
+def _probe() -> bool:
+    """Whether oneDNN's packed linear exists here and computes ``F.linear`` (a 24x40 product; milliseconds)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i686"):
+        return False  # measured on x86 only; other CPUs keep F.linear
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 24, generator=g)  # [out, in]
+        x = torch.randn(5, 24, generator=g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4))
+    except Exception:  # noqa: BLE001 - missing op, unsupported build: packing is only an optimization
+        return False
+
+
+def available() -> bool:
+    """Whether the packed GEMM works in this process (probed once, quietly)."""
+    global _available
+    if _available is None:
+        _available = _probe()
+        if not _available:
+            from ..log import logger  # late: the logger imports transformers
+
+            logger.debug("hf_dsinfer: oneDNN packed linear unavailable here; CPU linears use F.linear")
+    return _available
+
+
+def sync() -> bool:
+    """Re-read :data:`ENV_VAR` into the switch compiled graphs read (call outside a graph; cheap)."""
+    global _on
+    _on = os.environ.get(ENV_VAR, "1").strip().lower() not in _OFF and available()
+    return _on
+
+
+def enabled() -> bool:
+    """The switch: eagerly it re-reads the environment; inside a compiled graph it reads the (guarded) global."""
+    if not torch.compiler.is_compiling():
+        sync()
+    return _on
+
+
+def _release(slot: int) -> None:
+    _packs.pop(slot, None)
+    _owners.pop(slot, None)
+
+
+def ensure_slot(module: nn.Module) -> int:
+    """``module``'s slot number, given on first call (eagerly: a traced call reads the slot and cannot add one).
+
+    A module that carries a slot it does not own (a deep copy, an unpickled module) gets a fresh one.
+    """
+    slot = module.__dict__.get(SLOT_ATTR)
+    owner = _owners.get(slot) if slot is not None else None
+    if owner is None or owner() is not module:
+        slot = next(_slots)
+        module.__dict__[SLOT_ATTR] = slot  # plain attribute: never a parameter, buffer or state_dict entry
+        _owners[slot] = weakref.ref(module)
+        weakref.finalize(module, _release, slot)  # the packed copy dies with its module
+    return slot
+
+
+def prepare(model: nn.Module) -> None:
+    """Give every packable linear of ``model`` a slot (its fused ``Linear`` layers and plain ``nn.Linear`` modules),
+    so that a graph traced next can call the packed op for them. Call eagerly, before compiling."""
+    from .linear import Linear  # late: linear imports this module
+
+    for m in model.modules():
+        if isinstance(m, Linear) or type(m) is nn.Linear:
+            ensure_slot(m)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> bool:
+    """Whether ``F.linear(x, weight)`` of ``module`` runs packed: switch on, fp32 CPU, enough rows, no autograd."""
+    if not torch.compiler.is_compiling():
+        sync()
+        ensure_slot(module)
+    if not _on or getattr(module, SLOT_ATTR, None) is None:
+        return False
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.ndim != 2:
+        return False
+    if weight.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the oneDNN op has no backward here
+    return x.numel() // max(x.shape[-1], 1) >= MIN_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``module``'s packed copy of ``weight``: ``x [..., in] -> [..., out]``."""
+    return torch.ops.hf_dsinfer.cpu_packed_linear(x, weight, bias, getattr(module, SLOT_ATTR))
+
+
+def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, packed when ``module`` is a plain ``nn.Linear`` without hooks (the LM head) and it applies.
+
+    Anything else (a subclass, a peft or TP wrapper, a module with hooks) is simply called.
+    """
+    if (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and applies(x, module.weight, module)
+    ):
+        return linear(x, module.weight, module.bias, module)
+    return module(x)
+
+
+def invalidate(module: nn.Module) -> int:
+    """Drop the packed copies of every module in ``module`` (after writing weights through ``.data``).
+
+    Returns how many were dropped; the next packed call re-packs (lazily, per weight).
+    """
+    dropped = 0
+    for m in module.modules():
+        slot = m.__dict__.get(SLOT_ATTR)
+        if slot is not None and _packs.pop(slot, None) is not None:
+            dropped += 1
+    return dropped
+
+
+def packed_bytes(module: nn.Module | None = None) -> int:
+    """Bytes held by packed copies (of the modules in ``module``, or all); a packed copy is as large as its weight."""
+    if module is None:
+        slots = set(_packs)
+    else:
+        slots = {m.__dict__.get(SLOT_ATTR) for m in module.modules()} & set(_packs)
+    return sum(_packs[s].shape[0] * _packs[s].shape[1] * 4 for s in slots)  # fp32 only
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        return -1
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """The op's CPU kernel: re-pack when the weight changed, then oneDNN's linear over ``x [..., in]``."""
+    version = _version(weight)
+    pack = _packs.get(slot)
+    if pack is None or pack.ptr != weight.data_ptr() or pack.version != version or pack.shape != tuple(weight.shape):
+        # The reorder reads a row-major [out, in] weight; the K-major one is copied once for it.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        pack = _packs[slot] = _Pack(weight.data_ptr(), version, tuple(weight.shape), packed)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x2, pack.packed, bias, "none", [], "")  # [M, out]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _fake_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# FRAGMENT: other parts of the package may add ops to the same namespace.
+_lib = torch.library.Library("hf_dsinfer", "FRAGMENT")
+_lib.define("cpu_packed_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")
+_lib.impl("cpu_packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("hf_dsinfer::cpu_packed_linear", _fake_packed_linear, lib=_lib)
