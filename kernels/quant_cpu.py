@@ -1,0 +1,288 @@
+"""Weight-only int8 / int4 matmuls on CPU through torch's packed-weight ops, packed once at load.
+
+:func:`pack_for_cpu` turns a weight in :mod:`.quant_format`'s layout into a :class:`CpuPackedWeight` (tensors plus a
+few ints; the tensors can be registered as non-persistent buffers and the object rebuilt from them with
+:meth:`CpuPackedWeight.from_buffers`); :func:`cpu_quant_matmul` multiplies with it. Kinds:
+
+* ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
+* ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
+  The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
+  ``scale = s`` and ``zero = (8 - z) * s``. It takes groups of 32/64/128/256 columns, ``K`` a multiple of the group
+  and ``N`` a multiple of 16: a group size that is a multiple of 32 is expressed with the largest of those dividing
+  it (scales repeated), per-channel weights with 128 (or less), ``K`` is padded with zero activations (the padded
+  weight columns then add nothing) and ``N`` with zero rows sliced off the output.
+* ``dequant``: every spec. int8 values ``[N, K_pad]`` (int4 unpacked at pack time: one byte per weight, still a
+  quarter of fp32), ``K`` padded to whole groups; each call dequantizes with one broadcast multiply per group
+  (``(q - z) * s`` in fp32, the reference's values) and runs one ``F.linear``.
+
+Exactness: the ops take their scales in the activation dtype and return that dtype, so with
+``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
+result is the reference's ``x @ dequant(w).T`` up to fp32 summation order, then rounded once to ``x.dtype``. With
+``compute_dtype=torch.bfloat16`` the activations and the result are rounded to bf16 (2^-8 relative each): faster on
+CPUs whose torch kernels vectorize only bf16 (measured in docs/kernels.md), not exact.
+
+The packed layouts are torch's internal ones: never save them; pack again at load.
+``python -m hf_dsinfer.kernels.quant_cpu`` measures every kind against fp32 ``F.linear`` (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .quant_format import QuantSpec
+
+__all__ = ["KINDS", "CpuPackedWeight", "cpu_quant_matmul", "pack_for_cpu", "supported_kinds"]
+
+KINDS = ("int8pack", "int4pack", "dequant")
+_INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPackedWeight:
+    """A quantized weight packed for :func:`cpu_quant_matmul`.
+
+    ``weight``: int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]`` uint8 (int4pack) or int8
+    ``[N, K_pad]`` values (dequant). ``scales``: ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero
+    pairs (int4pack) or fp32 ``[N, G, 1]`` (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), else
+    None. Ints and the spec are plain attributes, so ``torch.compile`` treats them as constants.
+    """
+
+    kind: str
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    spec: QuantSpec
+    in_features: int
+    out_features: int
+    group: int = 0  # int4pack: the op's group size; dequant: the spec's
+    k_padded: int = 0  # K rounded up to a multiple of ``group``
+    compute_dtype: torch.dtype = torch.float32
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors, to register as non-persistent buffers (``module.register_buffer(name, t, persistent=False)``)
+        so ``.to()`` moves them; rebuild with :meth:`from_buffers` afterwards."""
+        out = {"weight": self.weight, "scales": self.scales}
+        if self.zeros is not None:
+            out["zeros"] = self.zeros
+        return out
+
+    def from_buffers(self, buffers: dict[str, torch.Tensor]) -> CpuPackedWeight:
+        """This packing with its tensors replaced (same metadata), e.g. after the module moved its buffers."""
+        return dataclasses.replace(self, weight=buffers["weight"], scales=buffers["scales"],
+                                   zeros=buffers.get("zeros"))  # fmt: skip
+
+
+def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
+    """The op's group size expressing ``spec``'s groups, or None when none does."""
+    if spec.n_groups(in_features) == 1:  # per channel: any group works, the scale is repeated
+        return next(g for g in _INT4_GROUPS if g <= max(32, min(128, in_features)))
+    return next((g for g in _INT4_GROUPS if spec.group_size % g == 0), None)
+
+
+def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
+    """The kinds :func:`pack_for_cpu` can build for ``spec`` (``dequant`` always)."""
+    spec = spec.for_features(in_features)
+    kinds = []
+    if spec.num_bits == 8 and spec.symmetric and spec.n_groups(in_features) == 1:
+        kinds.append("int8pack")
+    if spec.num_bits == 4 and _int4_group(spec, in_features) is not None:
+        kinds.append("int4pack")
+    return (*kinds, "dequant")
+
+
+def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype = torch.float32) -> str:
+    """The kind :func:`pack_for_cpu` picks, from the measurements in docs/kernels.md (see there)."""
+    kinds = supported_kinds(spec, in_features)
+    if compute_dtype == torch.bfloat16:
+        return kinds[0]
+    return "dequant"
+
+
+def pack_for_cpu(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    spec: QuantSpec,
+    in_features: int,
+    *,
+    kind: str | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> CpuPackedWeight:
+    """Pack a :mod:`.quant_format` weight for :func:`cpu_quant_matmul` (once, at load; the inputs are not kept
+    unless ``kind="dequant"``). ``kind``: one of :data:`KINDS` (default: :func:`default_kind`); ``compute_dtype``:
+    fp32 (exact) or bf16 (see the module docstring)."""
+    spec = spec.for_features(in_features)
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
+    kind = kind or default_kind(spec, in_features, compute_dtype)
+    if kind not in supported_kinds(spec, in_features):
+        raise ValueError(f"kind={kind!r} cannot hold {spec} (in_features={in_features}); use one of "
+                         f"{supported_kinds(spec, in_features)}")  # fmt: skip
+    n, k = qweight.shape[0], in_features
+    if kind == "dequant":
+        gs, groups = spec.group_size, spec.n_groups(k)
+        k_pad = gs * groups
+        if spec.num_bits == 4:
+            from .quant_format import unpack_int4
+
+            q = unpack_int4(qweight, k).to(torch.int16)  # [N, K] in [0, 15]
+            q = (q - 8 if zeros is None else q).to(torch.int8)  # symmetric: the zero point folded in
+        else:
+            q = qweight
+        q = F.pad(q, (0, k_pad - k)).contiguous()  # [N, K_pad] int8; padding columns meet zero activations
+        s = scales.float().reshape(n, groups, 1).contiguous()  # [N, G, 1]
+        z = zeros.float().reshape(n, groups, 1).contiguous() if zeros is not None else None
+        return CpuPackedWeight("dequant", q, s, z, spec, k, n, gs, k_pad, compute_dtype)
+    if kind == "int8pack":
+        s = scales.to(compute_dtype).reshape(n).contiguous()  # [N]
+        return CpuPackedWeight("int8pack", qweight.contiguous(), s, None, spec, k, n, compute_dtype=compute_dtype)
+    group = _int4_group(spec, k)
+    k_pad = -(-k // group) * group
+    n_pad = -(-n // 16) * 16
+    from .quant_format import unpack_int4
+
+    u = unpack_int4(qweight, k).to(torch.int32)  # [N, K] in [0, 15]
+    u = F.pad(u, (0, k_pad - k, 0, n_pad - n), value=8)  # [N_pad, K_pad]; padding columns meet zero activations
+    packed = torch._convert_weight_to_int4pack_for_cpu(u, 1)  # [N_pad, K_pad / 2] uint8, torch's layout
+    # Per op group j: the original group of its first column (the op's group divides the original one).
+    orig = torch.clamp(torch.arange(0, k_pad, group) // spec.group_size, max=spec.n_groups(k) - 1)  # [K_pad / group]
+    s = scales.float()[:, orig]  # [N, K_pad / group]
+    z = zeros.float()[:, orig] if zeros is not None else torch.full_like(s, 8.0)
+    pairs = torch.stack([s, (8.0 - z) * s], dim=-1)  # [N, G', 2]: (u - z) * s == (u - 8) * s + (8 - z) * s
+    pairs = F.pad(pairs, (0, 0, 0, 0, 0, n_pad - n)).transpose(0, 1).contiguous().to(compute_dtype)  # [G', N_pad, 2]
+    return CpuPackedWeight("int4pack", packed, pairs, None, spec, k, n, group, k_pad, compute_dtype)
+
+
+def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(w).T (+ bias) -> [..., N]`` in ``x.dtype`` with a :func:`pack_for_cpu` weight."""
+    if x.shape[-1] != packed.in_features:
+        raise ValueError(f"x must be [..., in_features={packed.in_features}], got {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.in_features)  # [M, K]
+    if packed.kind == "dequant":
+        n, groups = packed.out_features, packed.scales.shape[1]
+        q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]
+        if packed.zeros is not None:
+            q = q - packed.zeros
+        w = (q * packed.scales).view(n, packed.k_padded).to(packed.compute_dtype)  # [N, K_pad], the reference's
+        xc = x2.to(packed.compute_dtype)
+        if packed.k_padded != packed.in_features:
+            xc = F.pad(xc, (0, packed.k_padded - packed.in_features))
+        y = F.linear(xc, w)  # [M, N]
+    elif packed.kind == "int8pack":
+        y = torch._weight_int8pack_mm(x2.to(packed.compute_dtype).contiguous(), packed.weight, packed.scales)
+    else:
+        xc = x2.to(packed.compute_dtype)
+        if packed.k_padded != packed.in_features:
+            xc = F.pad(xc, (0, packed.k_padded - packed.in_features))  # [M, K_pad], zeros meet the padded columns
+        y = torch._weight_int4pack_mm_for_cpu(xc.contiguous(), packed.weight, packed.group, packed.scales)
+        y = y[:, : packed.out_features]  # [M, N]
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype).reshape(*lead, packed.out_features)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Measurement: python -m hf_dsinfer.kernels.quant_cpu [--threads 1] [--repeats 3] [--json PATH]
+# ----------------------------------------------------------------------------------------------------------------------
+
+BENCH_SHAPES = ((512, 512), (1408, 512), (512, 1408), (4096, 4096))  # (N out, K in): small llama, 8B-like
+BENCH_ROWS = (1, 4, 8)
+
+
+def _time_calls(fns: list, min_seconds: float = 0.2) -> float:
+    """Seconds per call, cycling through ``fns`` (one per weight copy, so weights come from memory, not cache)."""
+    import time
+
+    for fn in fns[:2]:
+        fn()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        for fn in fns:
+            fn()
+        calls += len(fns)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes: int = 128 << 20) -> list[dict]:
+    """Per shape and row count: microseconds per call (min and max over ``repeats``) of fp32 ``F.linear`` over a
+    K-major weight (what :func:`hf_dsinfer.modules.linear.gemm_layout` gives on CPU) and of every packed kind for
+    int8 per channel and int4 group 128, fp32 and bf16 compute. Each candidate cycles through as many weight copies
+    as make ``fp32_bytes`` of fp32 weights (a model's worth: more than the last-level cache), each copy stored in
+    its own format, so a quantized model's smaller footprint counts as it would in a decode step."""
+    from .quant_format import quantize_weight
+
+    out = []
+    for n, k in shapes:
+        copies = max(2, -(-fp32_bytes // (4 * n * k)))
+        gen = torch.Generator().manual_seed(0)
+        ws = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies)]
+        cands: dict[str, list] = {"fp32 F.linear": []}
+        for w in ws:
+            wk = torch.empty(k, n).t()  # [N, K] K-major
+            wk.copy_(w)
+            cands["fp32 F.linear"].append(("linear", wk))
+        for label, spec in (("int8", QuantSpec(8, k, True)), ("int4 g128", QuantSpec(4, 128, True))):
+            qs = [quantize_weight(w, spec, scale_dtype=torch.float32) for w in ws]
+            for kind in supported_kinds(spec, k):
+                for cd in (torch.float32, torch.bfloat16):
+                    if kind == "dequant" and cd == torch.bfloat16:
+                        continue
+                    name = f"{label} {kind} {'fp32' if cd == torch.float32 else 'bf16'}"
+                    cands[name] = [("packed", pack_for_cpu(*q, spec, k, kind=kind, compute_dtype=cd)) for q in qs]
+        del ws
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            row = {"shape": f"{n}x{k}", "M": m, "copies": copies}
+            for name, items in cands.items():
+                fns = [
+                    (lambda w=w, x=x: F.linear(x, w)) if how == "linear" else (lambda p=w, x=x: cpu_quant_matmul(x, p))
+                    for how, w in items
+                ]
+                times = [_time_calls(fns) * 1e6 for _ in range(repeats)]
+                row[name] = (min(times), max(times))
+            out.append(row)
+    return out
+
+
+def format_benchmark(rows: list[dict]) -> str:
+    """Markdown table: min microseconds per call and the speedup of each kind over fp32 ``F.linear``."""
+    names = [c for c in rows[0] if c not in ("shape", "M", "copies")]
+    lines = ["| shape (N x K) | M | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for r in rows:
+        base = r["fp32 F.linear"][0]
+        cells = [f"{r[c][0]:.0f} us" + ("" if c == "fp32 F.linear" else f" ({base / r[c][0]:.2f}x)") for c in names]
+        lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: print (and optionally save) :func:`benchmark`'s table."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m hf_dsinfer.kernels.quant_cpu", description=benchmark.__doc__)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in BENCH_SHAPES), help="NxK,...")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = benchmark(shapes, repeats=args.repeats)
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.threads} thread(s), min of {args.repeats} repeats")  # fmt: skip
+    print(format_benchmark(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
