@@ -423,10 +423,6 @@ def test_tp2_autotp_families_match_tp1(run_families, name):
         assert got["n_params"] < 0.8 * n_params
 
 
-# Fused layers cannot mirror AutoTP's all-reduced full-width q/k norm (olmo) or offset alibi slopes to a rank's
-# heads (bloom): HF's split modules stay, with one warning.
-KEEPS_HF_UNDER_TP = {"olmo2", "olmo3_mqa", "bloom"}
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ENCODERS])
@@ -444,7 +440,7 @@ def test_tp2_fused_families_match_tp1(run_families, name):
             paths[name], inference_config={"dtype": "fp32", "replace_with_kernel_inject": True})
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"the {FAMILIES[name][0]} policy fails without tensor parallelism too: {type(e).__name__}: {e}")
-    fused_expected = hf_dsinfer.policies.is_injected(alone) and name not in KEEPS_HF_UNDER_TP
+    fused_expected = hf_dsinfer.policies.is_injected(alone)  # olmo2 and bloom too (tests/test_parallel_coverage.py)
     logits, greedy, _ = _family_reference(name, paths[name])
     real = left_pad(prompts())[1].bool()
     for rank, res in enumerate(results):

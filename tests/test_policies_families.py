@@ -142,7 +142,8 @@ def test_encoder_heads_run_on_fused_layers(head):
 
 
 def test_alibi_layers_keep_hf_modules_under_tensor_parallelism():
-    """ALiBi slopes depend on the global head index: a rank's fused layer would count its heads from 0."""
+    """ALiBi slopes depend on the global head index: without AutoTP's record of which heads a rank holds (an
+    attention it did not split), the fused layer cannot offset them and HF's modules stay."""
     from hf_dsinfer.policies import POLICIES, TPLayout
     from hf_dsinfer.policies.base import as_source
 

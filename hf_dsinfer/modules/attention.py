@@ -11,7 +11,7 @@ from hf_dsinfer.kernels import decode_attention, encoder_attention, prefill_atte
 
 from .kv_cache import StaticKVCache
 from .linear import Linear
-from .norms import FusedNorm, NormSpec
+from .norms import FusedNorm, NormSpec, SplitRMSNorm, split_rms_norm_pair
 from .rotary import RotaryTable
 
 
@@ -25,7 +25,10 @@ class AttentionSpec:
     of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache. ``qk_norm_full_width``: the
     q (k) norm runs over all heads together, weights ``[Hq * D]`` / ``[Hk * D]`` (olmo2), not per head.
     ``alibi_slopes``: one ALiBi slope per query head (bloom; with ``rotary=False``): each score gets
-    ``slope * j`` for the key at position ``j`` of the row.
+    ``slope * j`` for the key at position ``j`` of the row. ``qk_norm_split`` (tensor parallelism, with
+    ``qk_norm_full_width``): this rank holds some heads of a full-width q/k norm; ``((q width, q share), (k width, k
+    share))`` are the widths of the whole projections and ``1 / copies`` of each element (kv heads replicated on
+    several ranks count once); the statistics are summed over the ranks (:class:`~.norms.SplitRMSNorm`).
     """
 
     num_heads: int
@@ -39,6 +42,7 @@ class AttentionSpec:
     causal: bool = True
     qk_norm_full_width: bool = False
     alibi_slopes: tuple[float, ...] | None = None
+    qk_norm_split: tuple[tuple[int, float], tuple[int, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,6 +54,8 @@ class AttentionSpec:
                 f"alibi_slopes needs one slope per query head ({self.num_heads}) and causal attention, got "
                 f"{len(self.alibi_slopes)} slopes, causal={self.causal}"
             )
+        if self.qk_norm_split is not None and not (self.qk_norm_full_width and self.qk_norm is not None):
+            raise ValueError("qk_norm_split is for a full-width q/k norm: set qk_norm and qk_norm_full_width too")
 
 
 @dataclass
@@ -124,8 +130,8 @@ class FusedAttention(nn.Module):
         layer_idx: int,
         qkv: Linear,
         o: Linear,
-        q_norm: FusedNorm | None = None,
-        k_norm: FusedNorm | None = None,
+        q_norm: FusedNorm | SplitRMSNorm | None = None,
+        k_norm: FusedNorm | SplitRMSNorm | None = None,
     ):
         super().__init__()
         self.spec = spec
@@ -155,9 +161,12 @@ class FusedAttention(nn.Module):
         Hq, Hk, D = s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hk, D)  # [B, T, Hq + 2Hk, D]
         if self.q_norm is not None and s.qk_norm_full_width:
-            q = self.q_norm(qkv[:, :, :Hq].reshape(B, T, Hq * D)).view(B, T, Hq, D)  # statistics over all heads
-            k = self.k_norm(qkv[:, :, Hq : Hq + Hk].reshape(B, T, Hk * D)).view(B, T, Hk, D)
-            qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)
+            q, k = qkv[:, :, :Hq].reshape(B, T, Hq * D), qkv[:, :, Hq : Hq + Hk].reshape(B, T, Hk * D)
+            if isinstance(self.q_norm, SplitRMSNorm):  # statistics over all ranks' heads: one all-reduce
+                q, k = split_rms_norm_pair(self.q_norm, self.k_norm, q, k)
+            else:  # statistics over all heads
+                q, k = self.q_norm(q), self.k_norm(k)
+            qkv = torch.cat((q.view(B, T, Hq, D), k.view(B, T, Hk, D), qkv[:, :, Hq + Hk :]), dim=2)
         elif self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq : Hq + Hk])  # new contiguous [B, T, H, D]
             qkv = torch.cat((q, k, qkv[:, :, Hq + Hk :]), dim=2)  # one buffer again, so q and k rotate together

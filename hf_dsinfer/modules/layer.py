@@ -25,7 +25,7 @@ from .attention import AttentionSpec, FusedAttention, StepContext
 from .linear import Linear
 from .mlp import FusedMLP, MLPSpec
 from .moe import MOE_PARAM_NAMES, FusedMoE, MoESpec
-from .norms import FusedNorm, NormSpec
+from .norms import FusedNorm, NormSpec, SplitRMSNorm
 from .quant_linear import QuantLinear
 
 RESIDUAL_STYLES = ("pre", "sandwich", "parallel", "post", "post_block")
@@ -126,7 +126,14 @@ class FusedDecoderLayer(nn.Module):
             if f"{name}.weight" in params:
                 norms[name] = FusedNorm(spec.norm, params[f"{name}.weight"], params.get(f"{name}.bias"))
         q_norm = k_norm = None
-        if spec.attention.qk_norm is not None:
+        split = spec.attention.qk_norm_split
+        if split is not None:  # tensor parallelism: a full-width q/k norm whose statistics are summed over ranks
+            if reduce is None:
+                raise ValueError(f"layer {layer_idx}: AttentionSpec.qk_norm_split needs the tensor-parallel reduce")
+            (q_width, q_share), (k_width, k_share) = split
+            q_norm = SplitRMSNorm(spec.attention.qk_norm, params["attn.q_norm.weight"], q_width, reduce, q_share)
+            k_norm = SplitRMSNorm(spec.attention.qk_norm, params["attn.k_norm.weight"], k_width, reduce, k_share)
+        elif spec.attention.qk_norm is not None:
             q_norm = FusedNorm(spec.attention.qk_norm, params["attn.q_norm.weight"])
             k_norm = FusedNorm(spec.attention.qk_norm, params["attn.k_norm.weight"])
         attn = FusedAttention(spec.attention, layer_idx, linear("attn.qkv"), linear("attn.o", True), q_norm, k_norm)

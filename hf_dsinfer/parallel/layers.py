@@ -139,4 +139,5 @@ def slice_alibi_per_rank(module: nn.Module, start: int, stop: int, heads: int) -
         return args, kwargs
 
     handle = module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    setattr(module, TP_ATTR, {"kind": "alibi", "heads": (start, stop), "handles": [handle]})
+    # "of": the model's head count, so fused layers can take the slopes of global heads [start, stop)
+    setattr(module, TP_ATTR, {"kind": "alibi", "heads": (start, stop), "of": heads, "handles": [handle]})

@@ -7,6 +7,9 @@
   The slopes follow the ALiBi paper's geometric sequence (:func:`alibi_slopes`), computed in fp32 like HF.
 * ``query_key_value`` rows are ``[H, 3, D]`` (per head q, k, v): regrouped by ``GroupedQKV`` (as GPT-NeoX).
 * ``word_embeddings_layernorm`` is applied to the embeddings (caller-given ``inputs_embeds`` included), like HF.
+* Tensor parallelism: a head's slope depends on its index among all heads. AutoTP keeps heads ``[first, stop)`` on a
+  rank (uneven splits included) and records that range on the attention module (``tp_layout.alibi_head_range``); the
+  rank's fused layer takes the slopes of exactly those heads.
 
 Kept on HF's modules: ``apply_residual_connection_post_layernorm=True`` (the residual is the normed input) and
 ``pretraining_tp > 1`` with ``slow_but_exact=True`` (HF sums its linears in slices, another rounding order).
@@ -22,6 +25,7 @@ from torch import nn
 from ..modules import AttentionSpec, LayerSpec, MLPSpec
 from .base import Policy, Source, register
 from .gpt_neox import GroupedQKV
+from .tp_layout import alibi_head_range
 
 
 def alibi_slopes(num_heads: int) -> tuple[float, ...]:
@@ -57,11 +61,16 @@ class BloomPolicy(Policy):
 
     def layer_spec(self, model: nn.Module, idx: int, layer: nn.Module) -> LayerSpec:
         attn = layer.self_attention
-        heads = attn.num_heads
+        heads = attn.num_heads  # this rank's heads under tensor parallelism
+        first, stop, total = alibi_head_range(attn) or (0, heads, heads)
         return LayerSpec(
             attention=AttentionSpec(
-                heads, heads, attn.head_dim, float(attn.inv_norm_factor), rotary=False,
-                alibi_slopes=alibi_slopes(heads),
+                heads,
+                heads,
+                attn.head_dim,
+                float(attn.inv_norm_factor),
+                rotary=False,
+                alibi_slopes=alibi_slopes(total)[first:stop],
             ),
             mlp=MLPSpec(gated=False, activation="gelu_tanh"),  # BloomGelu: the tanh approximation
             norm=self.norm_spec(layer.input_layernorm),

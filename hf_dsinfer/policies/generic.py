@@ -13,6 +13,13 @@ So the model gets the static cache, the fast generate loop, the compiled CPU dec
 capture of the decode step, with HF's modules doing everything but attention. Logits post-processing in the causal
 LM's forward is redone for the fast loop: final soft-capping (gemma), ``logits_scaling`` (granite), ``logit_scale``
 (cohere); a forward that does anything else to the logits keeps HF's path.
+
+Under tensor parallelism (:func:`install_generic` with a :class:`~.tp_layout.TPLayout`) the HF modules are the ones
+AutoTP split: each rank's attention modules hold its heads (their ``num_heads`` / ``num_key_value_groups`` already
+local, row-parallel output projections all-reducing, full-width q/k norms summing their statistics over the ranks),
+so the attention function receives this rank's q and kv heads and needs nothing else: it reads the head counts from
+the tensors, and the sliding window and scaling from HF's module, neither of which depends on the split. The static
+cache is sized with the rank's kv heads (``TPLayout.config``).
 """
 
 from __future__ import annotations
@@ -190,31 +197,53 @@ def generic_path_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _cache_for(model: nn.Module, max_tokens: int, max_batch: int) -> StaticKVCache:
+def _cache_for(model: nn.Module, max_tokens: int, max_batch: int, local: Any = None) -> StaticKVCache:
+    """The static cache: one layer per hidden layer, ``local`` (a config with this rank's head counts under tensor
+    parallelism) giving the kv heads; the head dim is the model's own (the split keeps it)."""
     text = model.config.get_text_config()
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    counts = (local if local is not None else model.config).get_text_config()
+    kv = getattr(counts, "num_key_value_heads", None) or counts.num_attention_heads
     return StaticKVCache([kv] * layers, [head_dim] * layers, max_tokens, max_batch)
 
 
-def install_generic(model: nn.Module, cfg: Any) -> str | None:
-    """Put ``model`` on the generic path (in place). Returns None when installed, else why not (nothing changed)."""
+def _module_configs(model: nn.Module) -> list[Any]:
+    """Configs that single modules hold apart from the model's (AutoTP's copies with this rank's head counts, for
+    attention forwards that read ``config.num_attention_heads``): they need the attention implementation too."""
+    own = {id(model.config), id(model.config.get_text_config())}
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in own and hasattr(config, "_attn_implementation"):
+            found[id(config)] = config
+    return list(found.values())
+
+
+def install_generic(model: nn.Module, cfg: Any, tp: Any = None) -> str | None:
+    """Put ``model`` on the generic path (in place). Returns None when installed, else why not (nothing changed).
+
+    ``tp``: the model's :class:`~.tp_layout.TPLayout` when tensor parallelism split it (every rank calls this at the
+    same point: the trial step below all-reduces).
+    """
     global _PROBE
     reason = generic_path_reason(model)
     if reason:
         return reason
+    if tp is not None and tp.config is None:
+        return "its layers keep different head counts on this rank (the static cache needs one count)"
     base = model.base_model
     layers = next((m for m in base.modules() if isinstance(m, nn.ModuleList)), None)
     if layers is None:
         return "it has no layer list"
     previous = model.config._attn_implementation
-    runtime = GenericRuntime(
-        GenericPolicy(model), layers, _cache_for(model, int(cfg.max_out_tokens), int(cfg.max_batch_size)),
-        type(base).forward,
-    )  # fmt: skip
+    cache = _cache_for(model, int(cfg.max_out_tokens), int(cfg.max_batch_size), tp.config if tp is not None else None)
+    runtime = GenericRuntime(GenericPolicy(model), layers, cache, type(base).forward)
+    copies = [(c, c._attn_implementation) for c in _module_configs(model)]
     model.set_attn_implementation(IMPLEMENTATION)
+    for config, _ in copies:
+        config._attn_implementation = IMPLEMENTATION
     # One 2-token forward proves every layer's attention reached the function with the step context (a model that
     # does not forward HF's **kwargs to attention would silently attend without the cache).
     _PROBE = []
@@ -233,6 +262,8 @@ def install_generic(model: nn.Module, cfg: Any) -> str | None:
         reason = f"its attention modules did not all receive hf_dsinfer's step (layer indices seen: {seen})"
     if reason:
         model.set_attn_implementation(previous)
+        for config, implementation in copies:
+            config._attn_implementation = implementation
         return reason
     install_causal_lm_forward(model, runtime)
     setattr(model, GENERIC_ATTR, GenericRecord(runtime, previous))

@@ -203,10 +203,10 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
     policy = find_policy(model)
     if policy is None or not policy.serves(model):
         what = "no kernel-injection policy" if policy is None else f"{type(policy).__name__} has no fused path"
-        if policy is None and tp is None:  # HF's modules, attention on the static cache (policies/generic.py)
+        if policy is None:  # HF's modules (split by AutoTP under TP), attention on the static cache (generic.py)
             from .generic import install_generic
 
-            why_not = install_generic(model, cfg)
+            why_not = install_generic(model, cfg, tp)
             if why_not is None:
                 logger.info(f"kernel injection: no policy for {arch}; HF's modules with hf_dsinfer's static-cache "
                             "attention (the generic path)")

@@ -4,6 +4,11 @@ RMSNorms over the full projection width (all heads together), before rotary.
 The fused layer's ``post_block`` residual style and ``AttentionSpec.qk_norm_full_width`` reproduce both; everything
 else (separate q/k/v, gated MLP, rotate-half rotary, final RMSNorm) is llama's. OLMo-2's RMSNorm multiplies the
 weight in fp32 before rounding (llama rounds first): identical in fp32, one rounding apart in half precision.
+
+Under tensor parallelism AutoTP splits q/k by heads and gives each q/k norm this rank's slice of the weight, as a
+norm whose statistics are summed over the ranks (it exposes ``full_width`` and ``share``). The fused layer then does
+the same (``AttentionSpec.qk_norm_split``): both norms' sums of squares go through one all-reduce of ``[tokens, 2]``
+per layer, and each rank scales its slice (``modules.norms.SplitRMSNorm``, OLMo-2's rounding in every dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Olmo2Policy(LlamaPolicy):
                 scale=float(attn.scaling),
                 qk_norm=self.norm_spec(attn.q_norm),
                 qk_norm_full_width=True,  # weights [Hq * D] / [Hk * D]: one norm over all heads
+                qk_norm_split=_split_widths(attn.q_norm, attn.k_norm),
             ),
             mlp=MLPSpec(gated=True, activation=_activation(model)),
             norm=self.norm_spec(layer.post_attention_layernorm),
@@ -55,3 +61,13 @@ class Olmo2Policy(LlamaPolicy):
             "mlp.up.weight": Cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
             "mlp.down.weight": "mlp.down_proj.weight",
         }
+
+
+def _split_widths(q_norm: nn.Module, k_norm: nn.Module) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """``((q width, q share), (k width, k share))`` when tensor parallelism split the q/k norms (their modules carry
+    ``full_width`` and ``share``: the whole projection's width, ``1 / copies`` of each element), else None."""
+    if getattr(q_norm, "full_width", None) is None and getattr(k_norm, "full_width", None) is None:
+        return None
+    return tuple(
+        (int(getattr(n, "full_width", n.weight.shape[0])), float(getattr(n, "share", 1.0))) for n in (q_norm, k_norm)
+    )

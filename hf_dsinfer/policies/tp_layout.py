@@ -7,6 +7,13 @@ AutoTP splits fused checkpoints (phi3's ``qkv_proj``, falcon's and neox's ``quer
 fused layers still need is told here: the local head counts (for the spec, the packing and the static KV cache) and
 the all-reduce of the row-parallel ``attn.o`` / ``mlp.down``. This module knows nothing of ``hf_dsinfer.parallel``:
 the integration layer fills :class:`TPLayout` from the plan.
+
+Two per-head details a policy reads from the split HF modules themselves:
+
+* a full-width q/k norm (OLMo-2) that AutoTP split carries ``full_width`` and ``share``; the policy passes them on as
+  ``AttentionSpec.qk_norm_split`` and the fused layer sums the statistics over the ranks with :attr:`TPLayout.reduce`;
+* an attention whose ALiBi bias AutoTP slices per rank (BLOOM) records which global heads this rank holds
+  (:func:`alibi_head_range`); a head's slope depends on its global index, so the policy takes the slopes of those.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from torch import nn
 
 from .base import Source
 
+# What AutoTP records on a module it changed (``hf_dsinfer.parallel.layers.TP_ATTR``; a dict with a "kind").
+TP_RECORD = "_dsinfer_tp"
 # Fused weights and how AutoTP must have split the HF modules they are packed from.
 _ROW = ("attn.o.weight", "mlp.down.weight")
 _COLUMN = ("attn.qkv.weight", "mlp.up.weight")
@@ -90,19 +99,26 @@ class TPLayout:
         stray = sorted(m for m in self.row_parallel if m.startswith(path + ".") and m not in fused_rows)
         if stray:
             return f"layer {i} has row-parallel modules the fused layer does not reduce: {', '.join(stray)}"
+        a = spec.attention
         norms = sorted(n for n in self.split_norms if n.startswith(path + "."))
         if norms:
-            return (
-                f"layer {i} normalizes over all heads ({norms[0]}), which tensor parallelism splits with all-reduced "
-                "statistics; the fused layer would normalize this rank's heads only"
-            )
+            # The fused layer sums the statistics over the ranks only for its q/k norm, and only when told to.
+            qk = _modules(path, wmap, "attn.q_norm.weight") | _modules(path, wmap, "attn.k_norm.weight")
+            if getattr(a, "qk_norm_split", None) is None or not set(norms) <= qk:
+                return (
+                    f"layer {i} normalizes over all heads ({norms[0]}), which tensor parallelism splits with "
+                    "all-reduced statistics; the fused layer would normalize this rank's heads only"
+                )
         (o_proj,) = sources["attn.o.weight"]
         local = self.heads.get(o_proj)
-        a = spec.attention
         if getattr(a, "alibi_slopes", None) is not None:
-            # A head's slope depends on its index in the whole model; the spec's slopes count this rank's heads
-            # from 0, which would be right on rank 0 only.
-            return f"layer {i} uses ALiBi, whose per-head slopes the fused layer cannot offset to this rank's heads"
+            # A head's slope depends on its index in the whole model: the policy must have read this rank's heads.
+            ranges = [r for r in map(alibi_head_range, hf_layer.modules()) if r is not None]
+            if len(ranges) != 1 or ranges[0][1] - ranges[0][0] != a.num_heads:
+                return (
+                    f"layer {i} uses ALiBi, but AutoTP recorded no single range of this rank's heads ({ranges}) "
+                    f"matching its {a.num_heads} local heads, so the slopes cannot be offset"
+                )
         if local != (a.num_heads, a.num_kv_heads):
             return (
                 f"layer {i}'s policy reports {a.num_heads} q / {a.num_kv_heads} kv heads on this rank but the "
@@ -121,3 +137,13 @@ def _modules(layer_path: str, wmap: dict[str, Source], fused_name: str) -> set[s
     """Module paths of the HF parameters fused tensor ``fused_name`` of one layer is packed from."""
     src = wmap.get(fused_name)
     return {f"{layer_path}.{n.rpartition('.')[0]}" for n in src.names()} if src is not None else set()
+
+
+def alibi_head_range(module: nn.Module) -> tuple[int, int, int] | None:
+    """``(first, stop, all)``: the global q heads ``[first, stop)`` of ``all`` this rank holds of an attention module
+    whose per-head ALiBi bias AutoTP slices (BLOOM), or None when the module is not split that way."""
+    record = getattr(module, TP_RECORD, None)
+    if not isinstance(record, dict) or record.get("kind") != "alibi" or "of" not in record:
+        return None
+    start, stop = record["heads"]
+    return int(start), int(stop), int(record["of"])
