@@ -1,0 +1,166 @@
+"""quant_format and quant_cpu: quantization round-trip error bounds, the int4 byte layout, and the packed CPU
+matmuls (torch's int8/int4 weight ops and the dequant fallback) against quant_matmul_reference."""
+
+import pytest
+import torch
+from hf_dsinfer.kernels.quant_cpu import CpuPackedWeight, cpu_quant_matmul, pack_for_cpu, supported_kinds
+from hf_dsinfer.kernels.quant_format import (
+    QuantSpec,
+    dequantize_weight,
+    quant_matmul_reference,
+    quantize_weight,
+    unpack_int4,
+)
+from hf_dsinfer.kernels.quant_gemm import quant_matmul
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# fp32 compute: the same dequantized fp32 weights as the reference, another summation order (results O(1): 1e-5 is
+# ~100 fp32 ulps). bf16 compute rounds the activations and the output to bf16: 2^-8 relative each, so about
+# 1e-2 of the result's scale.
+EXACT = dict(atol=1e-5, rtol=1e-5)
+BF16_COMPUTE = dict(atol=3e-2, rtol=2e-2)
+
+
+def _weight(n, k, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+
+
+@pytest.mark.parametrize(
+    "spec, bound",
+    [
+        (QuantSpec(8, 1 << 30, True), 0.01),  # int8 per channel: 1/254 of the row's absmax per weight
+        (QuantSpec(8, 1 << 30, False), 0.01),
+        (QuantSpec(4, 128, True), 0.12),  # int4 group 128: 1/14 of the group's absmax per weight
+        (QuantSpec(4, 128, False), 0.12),
+    ],
+)
+def test_round_trip_error_bounds(spec, bound):
+    w = _weight(96, 300)  # ragged last int4 group (300 = 2 * 128 + 44)
+    q, s, z = quantize_weight(w, spec)
+    back = dequantize_weight(q, s, z, spec, 300)
+    rel = (back - w).norm() / w.norm()
+    assert rel < bound, f"relative error {rel:.4f} >= {bound}"
+    assert rel > bound / 100  # it did quantize
+    # every weight is within half a step of its group's grid (per-element bound)
+    step = s.float()[:, torch.arange(300) // spec.for_features(300).group_size]
+    assert ((back - w).abs() <= step * 0.5 + 1e-6).all()
+
+
+def test_zero_and_constant_rows_stay_finite():
+    w = torch.zeros(3, 40)
+    w[1] = 0.5
+    for spec in (QuantSpec(8, 40), QuantSpec(4, 16, False), QuantSpec(4, 16)):
+        q, s, z = quantize_weight(w, spec)
+        back = dequantize_weight(q, s, z, spec, 40)
+        assert torch.isfinite(back).all()
+        assert torch.allclose(back, w, atol=1e-6)
+
+
+def test_int4_nibble_order_and_odd_k():
+    # column k of row n is byte k // 2: the low nibble when k is even; a padding nibble of 0 when K is odd
+    w = torch.tensor([[-7.0, -6.0, 0.0, 6.0, 7.0]])  # symmetric, scale 1: stored u = q + 8
+    spec = QuantSpec(4, 5)
+    q, s, z = quantize_weight(w, spec)
+    assert q.dtype == torch.uint8 and q.shape == (1, 3) and z is None
+    assert s.item() == pytest.approx(1.0)
+    assert q.tolist() == [[1 | (2 << 4), 8 | (14 << 4), 15]]
+    assert unpack_int4(q, 5).tolist() == [[1, 2, 8, 14, 15]]
+    assert dequantize_weight(q, s, z, spec, 5).tolist() == w.tolist()
+
+
+def test_int8_layout_and_concatenation_along_n():
+    w1, w2 = _weight(8, 40, 1), _weight(5, 40, 2)
+    spec = QuantSpec(8, 16, False)
+    a, b, both = quantize_weight(w1, spec), quantize_weight(w2, spec), quantize_weight(torch.cat([w1, w2]), spec)
+    assert a[0].dtype == torch.int8 and a[1].shape == (8, 3)  # ceil(40 / 16) groups
+    for i in range(3):
+        assert torch.equal(torch.cat([a[i], b[i]]), both[i])
+
+
+# (M, N, K, bits, group (None: per channel), symmetric)
+CPU_CASES = [
+    (1, 40, 72, 8, None, True),
+    (3, 24, 67, 4, 32, True),  # odd K, ragged group
+    (5, 24, 100, 4, 64, False),
+    (2, 33, 129, 4, 128, True),  # N not a multiple of 16 (int4pack pads rows)
+    (3, 48, 129, 4, None, False),
+    (2, 16, 96, 4, 96, False),  # group 96 expressed with the op's 32
+    (3, 20, 90, 8, 40, True),  # int8 grouped: dequant only
+    (4, 24, 64, 8, None, False),  # int8 asymmetric: dequant only
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-int{c[3]}-g{c[4]}-sym{c[5]}")
+def test_cpu_kinds_match_reference(case):
+    m, n, k, bits, group, sym = case
+    spec = QuantSpec(bits, group or k, sym)
+    q, s, z = quantize_weight(_weight(n, k), spec)
+    g = torch.Generator().manual_seed(5)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    want = quant_matmul_reference(x, q, s, z, spec, k, b)
+    kinds = supported_kinds(spec, k)
+    assert ("int8pack" in kinds) == (bits == 8 and sym and group is None)
+    assert ("int4pack" in kinds) == (bits == 4 and (group is None or group % 32 == 0))
+    for kind in kinds:
+        exact = pack_for_cpu(q, s, z, spec, k, kind=kind)
+        torch.testing.assert_close(cpu_quant_matmul(x, exact, b), want, **EXACT, msg=kind)
+        fast = pack_for_cpu(q, s, z, spec, k, kind=kind, compute_dtype=torch.bfloat16)
+        got = cpu_quant_matmul(x, fast, b)
+        assert got.dtype == torch.float32
+        want16 = quant_matmul_reference(x.bfloat16(), q, s, z, spec, k, b).float()  # activations rounded first
+        torch.testing.assert_close(got, want16, **BF16_COMPUTE, msg=kind)
+
+
+def test_dispatch_leading_dims_and_dtypes(monkeypatch):
+    monkeypatch.setenv("HF_DSINFER_BACKEND", "torch")
+    spec = QuantSpec(4, 32)
+    q, s, z = quantize_weight(_weight(32, 64), spec)
+    packed = pack_for_cpu(q, s, z, spec, 64)
+    x = torch.randn(2, 3, 64)
+    want = quant_matmul_reference(x, q, s, z, spec, 64)
+    got = quant_matmul(x, q, s, z, spec, 64, cpu_packed=packed)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got, want, **EXACT)
+    assert torch.equal(quant_matmul(x, q, s, z, spec, 64), want)  # no packing: the reference
+    xb = x.bfloat16()  # bf16 activations on the fp32-compute packing: computed in fp32, rounded once
+    torch.testing.assert_close(cpu_quant_matmul(xb, packed), quant_matmul_reference(xb, q, s, z, spec, 64))
+
+
+def test_buffers_round_trip_and_bad_arguments():
+    spec = QuantSpec(8, 48)
+    q, s, z = quantize_weight(_weight(16, 48), spec)
+    packed = pack_for_cpu(q, s, z, spec, 48, kind="int8pack")
+    rebuilt = packed.from_buffers({k: v.clone() for k, v in packed.buffers().items()})
+    assert isinstance(rebuilt, CpuPackedWeight) and rebuilt.kind == "int8pack"
+    x = torch.randn(2, 48)
+    assert torch.equal(cpu_quant_matmul(x, rebuilt), cpu_quant_matmul(x, packed))
+    with pytest.raises(ValueError, match="kind='int4pack' cannot hold"):
+        pack_for_cpu(q, s, z, spec, 48, kind="int4pack")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        pack_for_cpu(q, s, z, spec, 48, compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match="in_features=48"):
+        cpu_quant_matmul(torch.randn(2, 47), packed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int4pack", "dequant"])
+def test_cpu_quant_matmul_under_torch_compile(kind):
+    # The CPU decode step is compiled (generation/compiled_cpu.py): the packed weight is a module attribute.
+    spec = QuantSpec(4, 32, False)
+    q, s, z = quantize_weight(_weight(32, 96), spec)
+    packed = pack_for_cpu(q, s, z, spec, 96, kind=kind)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.packed = packed
+            self.bias = torch.nn.Parameter(torch.randn(32))
+
+        def forward(self, x):
+            return cpu_quant_matmul(x, self.packed, self.bias)
+
+    layer = Layer()
+    x = torch.randn(2, 96)
+    got = torch.compile(layer, fullgraph=True)(x)
+    torch.testing.assert_close(got, quant_matmul_reference(x, q, s, z, spec, 96, layer.bias.detach()), **EXACT)
