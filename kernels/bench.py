@@ -4,7 +4,8 @@ Run as ``python -m hf_dsinfer.kernels.bench [--dtype bf16] [--json PATH]`` on a 
 are bandwidth bound, so each row reports achieved GB/s and its share of the device's copy bandwidth, measured in the
 same run (a large device-to-device tensor copy) so the ceiling and the kernels see the same clocks. Shapes are
 Llama-3-8B's (hidden 4096, 32 query heads, 8 KV heads, head dim 128, intermediate 14336) at decode and prefill token
-counts. When ``kernels/bench_attention.py`` exists its ``run_attention_benchmarks(copy_gbs)`` rows are merged in.
+counts. When ``kernels/bench_attention.py`` exists its ``run_attention_benchmarks(copy_gbs)`` rows are merged in, and
+the weight-only int8/int4 GEMMs (``run_quant_benchmarks``) are measured against the dense ``F.linear``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,42 @@ def run_benchmarks(
     return rows
 
 
+QUANT_SHAPES = (("o_proj", HIDDEN, HIDDEN), ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE))
+
+
+def run_quant_benchmarks(
+    dtype: torch.dtype, copy_gbs: float, tokens: tuple[int, ...] = (1, 8, 32), device: str | torch.device = "cuda"
+) -> list[dict]:
+    """Weight-only int8 (per channel) and int4 (group 128) GEMMs on Llama-3-8B's projections.
+
+    GB/s counts the bytes of the quantized weight and its scales (what a decode step must read); the reference
+    column is ``F.linear`` over the dense weight in ``dtype`` (cuBLAS), its GB/s over the dense weight's bytes, so
+    ``ref_ms / triton_ms`` is the speedup over the unquantized layer.
+    """
+    if dtype == torch.float32:
+        return []  # the quantized layers run with fp16/bf16 activations on GPU
+    from .quant_format import QuantSpec, quantize_weight
+    from .quant_gemm import quant_matmul_triton
+
+    dev = torch.device(device)
+    rows = []
+    for name, n, k in QUANT_SHAPES:
+        w = torch.randn(n, k, dtype=dtype, device=dev) / k**0.5
+        for label, spec in (("int8", QuantSpec(8, k)), ("int4 g128", QuantSpec(4, 128))):
+            q, s, z = quantize_weight(w, spec)
+            nbytes = q.numel() * q.element_size() + s.numel() * s.element_size()
+            for m in tokens:
+                x = torch.randn(m, k, dtype=dtype, device=dev)
+                row = _row(f"quant_gemm {label}", f"{name} [{m}, {k}] x [{n}, {k}]", dtype, nbytes,
+                           functools.partial(quant_matmul_triton, x, q, s, z, spec, k),
+                           functools.partial(torch.nn.functional.linear, x, w), copy_gbs)  # fmt: skip
+                row["ref_gbs"] = w.numel() * w.element_size() / row["ref_ms"] / 1e6
+                rows.append(row)
+            del q, s, z
+        del w
+    return rows
+
+
 def _fmt(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -131,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = measure_copy_gbs(dev)
     rows = run_benchmarks(dtype, copy_gbs, tuple(args.tokens))
     rows += run_attention_benchmarks(copy_gbs, dtype=dtype)
+    rows += run_quant_benchmarks(dtype, copy_gbs)
     name = torch.cuda.get_device_name(dev)
     print(format_table(rows, copy_gbs, name))
     if args.json:

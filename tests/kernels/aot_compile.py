@@ -255,7 +255,8 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
                         out.append((f"quant_gemm {sname} {pname} [{n},{k}] {dn} {tname}", dn, quant))
         out.append(("quant_gemm int8 gate_up fp32 decode B1", "fp32",
                     lambda: qg.quant_matmul_triton(E(1, 4096, dtype=torch.float32), E(8192, 4096, dtype=torch.int8),
-                                                   E(8192, 1, dtype=torch.float32), None, qf.QuantSpec(8, 4096), 4096)))  # fmt: skip
+                                                   E(8192, 1, dtype=torch.float32), None, qf.QuantSpec(8, 4096),
+                                                   4096)))  # fmt: skip
         out.append(("quant_gemm int4 g128 fp32 prefill T512", "fp32",
                     lambda: qg.quant_matmul_triton(E(512, 4096, dtype=torch.float32),
                                                    E(8192, 2048, dtype=torch.uint8), E(8192, 32, dtype=torch.float32),
