@@ -164,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
     p_gen.add_argument("--json", action="store_true", help="print texts and timings as one JSON object")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
-    from .bench import add_bench_arguments
+    argv = sys.argv[1:] if argv is None else argv
+    if "bench" in argv:  # bench's options need torch (bench.py): `hf-dsinfer --help` stays free of it
+        from .bench import add_bench_arguments
 
-    add_bench_arguments(p_bench)
+        add_bench_arguments(p_bench)
     args = parser.parse_args(argv)
     if args.command == "info":
         report = info_report()

@@ -1,4 +1,4 @@
-"""Registration with transformers, run once on ``import hf_dsinfer``.
+"""Registration with transformers, run when transformers imports the modules it patches (see ``post_import``).
 
 * ``InferenceConfig`` / ``DsInferQuantizer`` under ``quant_method="dsinfer"`` (transformers' official plugin hook),
   so ``from_pretrained(path, quantization_config=cfg)`` works and a saved model reloads optimized.
@@ -27,17 +27,27 @@ _SAVED_CONFIG_WARNING = r"You passed `quantization_config` or equivalent paramet
 
 
 def register() -> None:
-    """Register the config, the quantizer and the ``from_pretrained`` hook. Safe to call any number of times."""
+    """Register the config, the quantizer and the ``from_pretrained`` hook. Safe to call any number of times.
+
+    ``import hf_dsinfer`` does not call this: it runs the two halves when transformers imports the modules they patch
+    (``hf_dsinfer.integration.post_import``), so the import stays light.
+    """
+    register_quantization_method()
+    install_from_pretrained_hook()
+
+
+def register_quantization_method() -> None:
+    """Map ``quant_method="dsinfer"`` to ``InferenceConfig``/``DsInferQuantizer`` (``transformers.quantizers.auto``)."""
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
     # Assigned directly (not through register_*) so a re-import after importlib.reload replaces stale classes.
     AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = InferenceConfig
     AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = DsInferQuantizer
-    _install_from_pretrained_hook()
 
 
-def _install_from_pretrained_hook() -> None:
-    from transformers import PreTrainedModel
+def install_from_pretrained_hook() -> None:
+    """Wrap ``PreTrainedModel.from_pretrained`` once so it accepts ``inference_config=``."""
+    from transformers.modeling_utils import PreTrainedModel
 
     original = PreTrainedModel.__dict__["from_pretrained"].__func__
     if getattr(original, _HOOK_FLAG, False):
