@@ -1,0 +1,235 @@
+"""Weight-only int8/int4 quantization at load (DeepSpeed's ``quant`` section / ``dtype="int8"``).
+
+The oracle has two parts: (1) a quantized model computes exactly what HF's fp32 model computes with every quantized
+linear's weight replaced by its dequantized values (so the quantized paths add no error of their own), and (2) the
+quantization error itself, relative logits error against HF's fp32 model, is within the per-format bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+from tiny_models import PAD, left_pad, prompts, save_tiny
+
+import hf_dsinfer  # noqa: F401  (registers inference_config)
+from hf_dsinfer import InferenceConfig
+from hf_dsinfer.modules.quant_linear import QuantLinear
+from hf_dsinfer.policies import is_injected
+
+INT8 = {"enabled": True, "weight": {"num_bits": 8}}
+INT4 = {"enabled": True, "weight": {"num_bits": 4}}  # groups of 128, clamped to the row (96 here)
+INT4_ASYM = {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32}}
+NEW_TOKENS = 20
+# Relative logits error vs fp32 (Frobenius norm over the real tokens of a left-padded batch).
+INT8_BOUND = 0.03
+# int4 with round-to-nearest on these random-init models measures 0.21 (llama), 0.22 (qwen3), 0.33 (gemma2): above
+# the 0.15 target of issue 15 (docs/quantization.md). This bound only guards against regressions.
+INT4_GUARD = 0.40
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cache: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = save_tiny(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
+
+
+def _batch():
+    ids, mask = left_pad(prompts())
+    return ids, mask, mask.bool()
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor, real: torch.Tensor) -> float:
+    return ((got - ref)[real].norm() / ref[real].norm()).item()
+
+
+def _load(path: str, quant, **extra):
+    cfg = {"dtype": "fp32", "quant": quant, **extra}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=cfg)
+
+
+def _dequantized_reference(path: str, model) -> torch.nn.Module:
+    """HF's fp32 model whose quantized linears hold the dequantized weights of ``model`` (an HF-path model)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    count = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, QuantLinear):
+                ref.get_submodule(name).weight.copy_(module.dequantized_weight(torch.float32))
+                count += 1
+    assert count > 0
+    return ref
+
+
+# -- config ----------------------------------------------------------------------------------------------------------
+
+
+def test_config_deepspeed_names_and_int8_dtype():
+    cfg = InferenceConfig(dtype="int8")
+    assert cfg.dtype == "auto" and cfg.quant_settings.num_bits == 8 and cfg.quant_settings.q_groups == 1
+    cfg = InferenceConfig(quant={"enabled": True, "weight": {"num_bits": 4, "q_groups": 2, "q_type": "asymmetric"}})
+    s = cfg.quant_settings
+    assert (s.num_bits, s.q_groups, s.symmetric, s.lm_head) == (4, 2, False, False)
+    assert s.spec_for(96).group_size == 48  # two groups per row
+    assert InferenceConfig(quant=INT4).quant_settings.spec_for(96).group_size == 96  # 128 clamped to the row
+    assert InferenceConfig(quant=INT4).quant_settings.spec_for(300).group_size == 128
+    assert InferenceConfig(quant={"enabled": False, "weight": {"num_bits": 4}}).quant is None
+    again = InferenceConfig.from_dict(json.loads(cfg.to_json_string()))
+    assert again == cfg and again.quant_settings == s
+
+
+@pytest.mark.parametrize(
+    "quant, match",
+    [
+        ({"weight": {"num_bits": 2}}, r"quant\.weight\.num_bits must be 8 or 4"),
+        ({"weight": {"q_groups": 4, "group_size": 32}}, r"quant\.weight\.group_size=32 and quant\.weight\.q_groups=4"),
+        ({"weight": {"q_type": "nf4"}}, r"quant\.weight\.q_type"),
+        ({"weight": {"group_size": 0}}, r"quant\.weight\.group_size must be an integer >= 1"),
+        ({"weigth": {}}, r"Did you mean 'weight'"),
+        ({"activation": {"enabled": True}}, r"only weight-only quantization"),
+    ],
+)
+def test_config_errors_name_the_key(quant, match):
+    with pytest.raises(ValueError, match=match):
+        InferenceConfig(quant=quant)
+
+
+# -- loading, exactness, error bounds -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", [INT8, INT4, INT4_ASYM], ids=["int8", "int4", "int4-asym-g32"])
+@torch.no_grad()
+def test_hf_path_equals_dequantized_weights(saved, quant):
+    """Without injection (HF's modules): every nn.Linear but the LM head is a QuantLinear, and the logits are those
+    of HF's fp32 model holding the dequantized weights."""
+    path = saved("llama")
+    model = _load(path, quant, replace_with_kernel_inject=False)
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == 2 * 7 and not isinstance(model.lm_head, QuantLinear)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    ids, mask, real = _batch()
+    ref = _dequantized_reference(path, model)
+    got = model(input_ids=ids, attention_mask=mask).logits
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [INT8, INT4_ASYM], ids=["int8", "int4-asym-g32"])
+@torch.no_grad()
+def test_injected_equals_hf_path(saved, quant):
+    """Fused layers pack quantized q/k/v and gate/up (row-wise cat): same logits as the quantized HF modules."""
+    path = saved("llama")
+    fused = _load(path, quant, replace_with_kernel_inject=True)
+    plain = _load(path, quant, replace_with_kernel_inject=False)
+    assert is_injected(fused)
+    layer = fused.model.layers[0]
+    assert isinstance(layer.attn.qkv, QuantLinear) and isinstance(layer.mlp.up, QuantLinear)
+    assert layer.attn.qkv.out_features == (6 + 2 * 2) * 16 and layer.mlp.up.out_features == 2 * 136
+    ids, mask, real = _batch()
+    got = fused(input_ids=ids, attention_mask=mask).logits
+    want = plain(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+@torch.no_grad()
+def test_error_bounds_vs_fp32(saved, name):
+    path = saved(name)
+    ids, mask, real = _batch()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    errors = {}
+    for label, quant in (("int8", INT8), ("int4", INT4)):
+        model = _load(path, quant)
+        assert is_injected(model)
+        errors[label] = _rel_err(model(input_ids=ids, attention_mask=mask).logits, want, real)
+    assert errors["int8"] <= INT8_BOUND, errors
+    assert errors["int4"] <= INT4_GUARD, errors
+    assert errors["int4"] > errors["int8"]  # the 4-bit weights really are coarser
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_int8_greedy_matches_fp32(saved):
+    path = saved("llama")
+    ids, mask, _ = _batch()
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = _load(path, INT8).generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_dtype_int8_and_init_inference(saved):
+    """``dtype="int8"`` is int8 weights with fp32 activations on CPU; ``init_inference`` quantizes a built model
+    the same way the loader does."""
+    path = saved("llama")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config={"dtype": "int8"})
+    assert loaded.model.layers[0].attn.qkv.weight.dtype == torch.int8
+    assert loaded.model.layers[0].attn.qkv.weight_scales.dtype == torch.float32
+    built = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = hf_dsinfer.init_inference(built, dtype="int8")
+    ids, mask, real = _batch()
+    a = loaded(input_ids=ids, attention_mask=mask).logits
+    b = engine.module(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[real], b[real], rtol=0, atol=0)
+
+
+# -- save / reload ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inject", [True, False], ids=["injected", "hf"])
+@torch.no_grad()
+def test_save_reload_identical(saved, tmp_path, inject):
+    path = saved("qwen3")
+    model = _load(path, INT4_ASYM, replace_with_kernel_inject=inject)
+    ids, mask, real = _batch()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "dsinfer" and config["quant"]["weight"]["num_bits"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert q.dtype == torch.uint8 and q.ndim == 1  # flat: plain transformers cannot read it as a float weight
+        assert "model.layers.0.self_attn.q_proj.weight_scales" in f.keys()
+        assert "model.layers.0.self_attn.q_proj.weight_zeros" in f.keys()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert is_injected(reloaded) == inject
+    after = reloaded(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before[real], after[real])
+    # Other quant settings than the checkpoint's are refused, naming both.
+    with pytest.raises(ValueError, match="quantized as int4 asymmetric.*asks for int8"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, inference_config={"quant": INT8})
+
+
+@pytest.mark.slow  # a fresh interpreter importing transformers and torch
+def test_reload_without_hf_dsinfer_fails_loudly(saved, tmp_path):
+    path = saved("llama")
+    _load(path, INT8).save_pretrained(tmp_path)
+    script = textwrap.dedent(
+        f"""
+        import transformers
+        transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/", env=env)
+    assert proc.returncode != 0, "transformers loaded a quantized checkpoint without hf_dsinfer"
+    out = proc.stdout + proc.stderr
+    assert "Unknown quantization type" in out and "dsinfer" in out  # transformers' registry names the method
+    assert "ignore_mismatched_sizes" in out and "q_proj.weight" in out  # and the load stops on the flat weights
