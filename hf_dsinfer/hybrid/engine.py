@@ -24,6 +24,7 @@ from torch import nn
 from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
 from ..generation.loop import check_capacity
 from ..log import logger
+from ..modules import cpu_packed
 from ..policies import get_injection, inject
 from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
 from .stats import HybridStats
@@ -273,6 +274,8 @@ class HybridEngine:
                     if value.shape != param.shape:
                         raise ValueError(f"{name}: training shape {tuple(value.shape)} != {tuple(param.shape)}")
                     param.data.copy_(value)
+        # The writes above go through .data, which the version counter does not see: drop the CPU packed GEMM copies.
+        cpu_packed.invalidate(infer)
 
     def _read(self, name: str) -> torch.Tensor:
         """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""

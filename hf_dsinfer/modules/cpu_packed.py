@@ -42,8 +42,11 @@ from torch import nn
 
 #: ``HF_DSINFER_CPU_PACKED=0`` (or false/off/no) keeps every CPU linear on ``F.linear`` and frees no memory twice.
 ENV_VAR = "HF_DSINFER_CPU_PACKED"
-#: Fewest rows (``x.numel() // in_features``) that take the packed GEMM; fewer keep ``F.linear`` (see module doc).
+#: Fewest and most rows (``x.numel() // in_features``) that take the packed GEMM; others keep ``F.linear``.
 MIN_ROWS = 4
+MAX_ROWS = 32
+#: Smallest weight (elements) worth packing: oneDNN's call costs more than MKL's, which a 512x512 weight does not repay.
+MIN_ELEMENTS = 1 << 19
 #: The attribute holding a module's slot number (a plain int: not a parameter, buffer or ``state_dict`` entry).
 SLOT_ATTR = "_hf_dsinfer_pack_slot"
 _OFF = ("0", "false", "off", "no")
@@ -63,6 +66,7 @@ _packs: dict[int, _Pack] = {}  # slot -> pack (empty slots have no entry)
 _owners: dict[int, weakref.ref] = {}  # slot -> its module
 _slots = itertools.count(1)
 _available: bool | None = None
+_stats = {"packs": 0}  # how many weights were (re-)packed in this process (tests and reports read it)
 _on = False  # the process-wide switch, refreshed by sync() outside compiled graphs (a traced read is guarded)
 
 
@@ -148,11 +152,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> bool:
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.ndim != 2:
         return False
-    if weight.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
+    if weight.device.type != "cpu" or x.shape[-1] != weight.shape[1] or weight.numel() < MIN_ELEMENTS:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the oneDNN op has no backward here
-    return x.numel() // max(x.shape[-1], 1) >= MIN_ROWS
+    if x.ndim > 2 and x.shape[-2] != 1:
+        return False  # several tokens per sequence (a prefill): MKL is as fast there, and batch-1 use packs nothing
+    return MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
@@ -204,21 +210,26 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _repack(slot: int, weight: torch.Tensor) -> _Pack:
+    # The reorder reads a row-major [out, in] weight: a K-major one is copied once for it (transiently).
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    _stats["packs"] += 1
+    pack = _packs[slot] = _Pack(weight.data_ptr(), _version(weight), tuple(weight.shape), packed)
+    return pack
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
     """The op's CPU kernel: re-pack when the weight changed, then oneDNN's linear over ``x [..., in]``."""
-    version = _version(weight)
     pack = _packs.get(slot)
-    if pack is None or pack.ptr != weight.data_ptr() or pack.version != version or pack.shape != tuple(weight.shape):
-        # The reorder reads a row-major [out, in] weight; the K-major one is copied once for it.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        pack = _packs[slot] = _Pack(weight.data_ptr(), version, tuple(weight.shape), packed)
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if pack is None or pack.ptr != weight.data_ptr() or pack.version != _version(weight) or pack.shape != weight.shape:
+        pack = _repack(slot, weight)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, in]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     y = torch.ops.mkldnn._linear_pointwise(x2, pack.packed, bias, "none", [], "")  # [M, out]
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _fake_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:

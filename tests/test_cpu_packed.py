@@ -1,0 +1,201 @@
+"""oneDNN-prepacked CPU linears (hf_dsinfer/modules/cpu_packed.py).
+
+The packed copy is a cache beside the plain weight: its products must equal ``F.linear``, it must be rebuilt when the
+weight changes (in place, rebound, or written through ``.data`` and invalidated, as the Hybrid Engine does), it must
+not show in ``state_dict``/save, and it must step aside (switch off, no oneDNN, autograd, other row counts) quietly.
+The tiny models' weights are below ``MIN_ELEMENTS``, so tests that want packing lower it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tiny_models import PAD, build_tiny, left_pad, prompts, save_tiny
+
+from hf_dsinfer.log import LOGGER_NAME
+from hf_dsinfer.modules import Linear, cpu_packed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_onednn = pytest.mark.skipif(not cpu_packed.available(), reason="oneDNN packed linear unavailable here")
+INJECT = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens": 40, "max_batch_size": 4}
+TOL = dict(atol=1e-5, rtol=1e-5)  # fp32: oneDNN and MKL sum in different orders
+
+
+@pytest.fixture
+def pack_all(monkeypatch):
+    """Pack every weight of a tiny model (their sizes are below the production threshold)."""
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "1")
+    monkeypatch.setattr(cpu_packed, "MIN_ELEMENTS", 0)
+
+
+def _packs() -> int:
+    return cpu_packed._stats["packs"]
+
+
+def _k_major(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous().t()  # what gemm_layout gives on CPU
+
+
+def _linear(out_f: int, in_f: int, bias: bool, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(_k_major(torch.randn(out_f, in_f, generator=g) * 0.1), requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(out_f, generator=g), requires_grad=False) if bias else None
+    return Linear(w, b)
+
+
+@needs_onednn
+@pytest.mark.parametrize("out_f,in_f", [(40, 24), (136, 96), (97, 131)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear_on_awkward_shapes(out_f, in_f, bias, pack_all):
+    lin = _linear(out_f, in_f, bias)
+    g = torch.Generator().manual_seed(1)
+    for rows in (4, 5, 13, cpu_packed.MAX_ROWS):
+        for x in (
+            torch.randn(rows, in_f, generator=g),  # [B, C]: the LM head's input
+            torch.randn(rows, 1, in_f, generator=g),  # [B, 1, C]: a decode step's
+            torch.randn(rows, 1, in_f + 7, generator=g)[..., 3 : 3 + in_f],  # a non-contiguous slice
+        ):
+            before = _packs()
+            with torch.no_grad():
+                got = lin(x)
+            assert cpu_packed.applies(x, lin.weight, lin), f"{rows} rows did not take the packed path"
+            torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), **TOL)
+            assert got.shape == (*x.shape[:-1], out_f)
+            assert _packs() - before <= 1  # packed once per weight, not per call
+    assert cpu_packed.packed_bytes(lin) == out_f * in_f * 4
+
+
+@needs_onednn
+def test_other_row_counts_prefill_and_autograd_keep_f_linear(pack_all):
+    lin = _linear(40, 24, bias=True)
+    for x in (
+        torch.randn(1, 24),
+        torch.randn(3, 1, 24),
+        torch.randn(cpu_packed.MAX_ROWS + 1, 24),
+        torch.randn(2, 5, 24),
+    ):
+        assert not cpu_packed.applies(x, lin.weight, lin), tuple(x.shape)  # batch < 4, > MAX_ROWS, a prefill
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert cpu_packed.packed_bytes(lin) == 0
+    w = torch.nn.Parameter(torch.randn(40, 24))  # trainable: the oneDNN op has no backward here
+    trainable = Linear(w)
+    x = torch.randn(8, 24)
+    assert not cpu_packed.applies(x, w, trainable)
+    trainable(x).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(40, 24))
+
+
+@needs_onednn
+def test_weight_changes_repack(pack_all):
+    lin = _linear(136, 96, bias=False)
+    x = torch.randn(6, 1, 96)
+    first = lin(x)
+    g = torch.Generator().manual_seed(5)
+
+    with torch.no_grad():  # in place (load_state_dict, an optimizer): the version counter moves
+        lin.weight.copy_(torch.randn(136, 96, generator=g))
+    got = lin(x)
+    assert not torch.allclose(got, first)
+    torch.testing.assert_close(got, F.linear(x, lin.weight), **TOL)
+
+    # through .data (the Hybrid Engine's refresh, CUDA-graph-safe updates): invisible to the version counter, so the
+    # writer invalidates
+    lin.weight.data.copy_(torch.randn(136, 96, generator=g))
+    assert cpu_packed.invalidate(lin) == 1
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+
+    lin.weight.data = _k_major(torch.randn(136, 96, generator=g))  # rebound: another storage
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), **TOL)
+
+    clone = copy.deepcopy(lin)  # a copy gets its own slot, so the two never evict each other's pack
+    assert cpu_packed.ensure_slot(clone) != cpu_packed.ensure_slot(lin)
+    with torch.no_grad():
+        clone.weight.mul_(2)
+    torch.testing.assert_close(clone(x), 2 * lin(x), **TOL)
+
+
+@needs_onednn
+def test_state_dict_save_and_reload_unchanged(tmp_path, pack_all):
+    path = save_tiny("llama", tmp_path / "m", num_hidden_layers=1)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
+    ids, mask = left_pad(prompts((5, 9, 3, 7)))  # batch 4: the decode steps run packed
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    before = {k: v.clone() for k, v in opt.state_dict().items()}
+    got = opt.generate(**kw)
+    assert cpu_packed.packed_bytes(opt) > 0, "the batch-4 decode steps did not pack"
+    assert torch.equal(got, ref.generate(**kw))
+    after = opt.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    opt.save_pretrained(tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", inference_config=INJECT).eval()
+    assert torch.equal(back.generate(**kw), got)
+
+
+@pytest.mark.parametrize("how", ["switch", "non_x86", "op_missing"])
+def test_fallback_is_quiet_and_exact(how, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_packed, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_packed, "_available", None)  # probe again under the patches below
+    if how == "switch":
+        monkeypatch.setenv(cpu_packed.ENV_VAR, "0")
+    elif how == "non_x86":
+        monkeypatch.setattr(cpu_packed.platform, "machine", lambda: "aarch64")
+    else:
+
+        def missing(*args, **kwargs):
+            raise RuntimeError("mkldnn::_reorder_linear_weight: no kernel for this build")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", missing)
+    lin = _linear(136, 96, bias=True)
+    x = torch.randn(8, 1, 96)
+    before = _packs()
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        for _ in range(3):
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert not cpu_packed.applies(x, lin.weight, lin) and _packs() == before
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    monkeypatch.undo()
+    cpu_packed._available = None  # the real probe again for later tests
+    assert cpu_packed.sync() == cpu_packed.available()
+
+
+@needs_onednn
+def test_hybrid_engine_refresh_repacks(pack_all):
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dsinfer.hybrid import HybridEngine
+
+    model = get_peft_model(build_tiny("llama", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ids, mask = left_pad(prompts((5, 9, 3, 7)))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+
+    def reference() -> torch.Tensor:
+        return copy.deepcopy(model).merge_and_unload().eval().generate(**kw)
+
+    he = HybridEngine(model, inference_config={"max_out_tokens": 40})
+    he.eval()
+    first = he.generate(**kw)
+    assert cpu_packed.packed_bytes(he.module) > 0, "the batch-4 decode steps did not pack"
+    assert torch.equal(first, reference())
+    he.train()
+    with torch.no_grad():  # a training update of the adapters: the refresh writes new fused weights through .data
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    packs = _packs()
+    he.eval()
+    second = he.generate(**kw)
+    he.train()
+    assert _packs() > packs, "the refreshed weights were not re-packed"
+    assert not torch.equal(second, first), "the update did not change the tokens (the test would prove nothing)"
+    assert torch.equal(second, reference())
