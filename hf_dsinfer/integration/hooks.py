@@ -132,6 +132,7 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
 
     from .. import parallel
     from .apply import apply_inference_config, check_supported, local_device
+    from .quant_config import quantize_slices
 
     check_supported(cfg)
     if not args:
@@ -166,6 +167,7 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
         grain=cfg.tensor_parallel.tp_grain_size, injection_policy=cfg.injection_policy, checkpoint=desc,
         attn_implementation=attn, device=device,
         ep_size=cfg.moe.expert_parallel_size if cfg.moe is not None else 1,
+        on_loaded=quantize_slices(cfg.quant_settings) if cfg.quant_settings is not None else None,
     )
     model.config.name_or_path = path
     if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "generation_config", None):

@@ -334,3 +334,43 @@ def quantize_on_load_op(quantizer: Any) -> Any:
             return out
 
     return QuantizeOnLoad()
+
+
+def quantize_slices(settings: QuantSettings) -> Any:
+    """The tensor-parallel loader's ``on_loaded`` callback: each quantizable ``nn.Linear`` is replaced by a
+    :class:`QuantLinear` as soon as this rank's slice of its weight is read (scales computed on the slice), so the
+    float slice is dropped at once. A bias loaded after its weight goes to the replacement."""
+    from torch import nn
+
+    from ..modules.quant_linear import QuantLinear
+
+    state: dict[str, Any] = {"targets": None, "replaced": {}}
+
+    def on_loaded(places: list[tuple[nn.Module, str]]) -> None:
+        for module, pname in places:
+            replaced = state["replaced"].get(id(module))
+            if replaced is not None:
+                if pname == "bias":
+                    replaced.bias = module.bias
+                continue
+            if pname != "weight" or not isinstance(module, nn.Linear) or id(module) not in state["targets"]:
+                continue
+            name, parent, child = state["targets"][id(module)]
+            w = module.weight  # [N_local, K_local]
+            bias = module.bias if module.bias is not None and not module.bias.is_meta else None
+            q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), bias, w.dtype)
+            if module.bias is not None and module.bias.is_meta:
+                q.bias = module.bias  # still on meta: set again when it is loaded
+            setattr(parent, child, q)
+            state["replaced"][id(module)] = q
+            module.weight = None  # drop the float slice
+
+    def bind(model: nn.Module) -> Any:
+        targets = {}
+        for name, module in _targets(model, settings):
+            parent_name, _, child = name.rpartition(".")
+            targets[id(module)] = (name, model.get_submodule(parent_name) if parent_name else model, child)
+        state["targets"] = targets
+        return on_loaded
+
+    return bind

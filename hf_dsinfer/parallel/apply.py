@@ -7,11 +7,13 @@ embeddings) are handled once and re-bound everywhere, so ties survive.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..modules.quant_linear import QuantLinear
 from .autotp import TPPlan, build_plan, local_config
 from .groups import TPGroup, all_reduce_
 from .head_layouts import norm_eps
@@ -32,6 +34,8 @@ GROUP_ATTR = "_dsinfer_tp_group"
 
 # (every name of one parameter, its shard or None, the current tensor) -> this rank's tensor
 Loader = Callable[[list[str], "Shard | None", torch.Tensor], torch.Tensor]
+# the (module, attribute) places of a parameter just loaded
+OnLoaded = Callable[[list[tuple[nn.Module, str]]], None]
 
 
 def parameter_groups(model: nn.Module) -> list[tuple[list[str], list[tuple[nn.Module, str]], nn.Parameter]]:
@@ -56,8 +60,14 @@ def _shard_of(plan: TPPlan, names: list[str]) -> Shard | None:
     return found.pop() if found else None
 
 
-def apply_plan(model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None = None) -> nn.Module:
-    """Apply ``plan`` to ``model`` in place: parameters, row-parallel wrappers, vocab hooks, head counts."""
+def apply_plan(
+    model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None = None, on_loaded: OnLoaded | None = None
+) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place: parameters, row-parallel wrappers, vocab hooks, head counts.
+
+    ``on_loaded(places)``: called right after each parameter is in place (the weight-only quantizer quantizes a
+    linear's slice there, so no float copy of the model accumulates); it may replace the owning modules.
+    """
     for names, places, param in parameter_groups(model):
         shard = _shard_of(plan, names)
         if load is not None:
@@ -70,6 +80,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None 
         new_param._is_hf_initialized = True  # transformers' init skips it (the loader path calls initialize_weights)
         for module, pname in places:
             module._parameters[pname] = new_param
+        if on_loaded is not None:
+            on_loaded(places)
     for name in plan.column_parallel:
         module = model.get_submodule(name)
         if hasattr(module, "out_features"):
@@ -80,7 +92,11 @@ def apply_plan(model: nn.Module, plan: TPPlan, tp: TPGroup, load: Loader | None 
     for name in plan.row_parallel:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, RowParallelLinear.wrap(getattr(parent, child), tp))
+        module = getattr(parent, child)
+        if isinstance(module, QuantLinear):  # weight-only quantized: the same module, reducing over the group
+            module.reduce = functools.partial(_reduce_over, tp)
+            continue
+        setattr(parent, child, RowParallelLinear.wrap(module, tp))
     for name, (full_width, share) in plan.norms.items():
         parent_name, _, child = name.rpartition(".")
         parent, norm = model.get_submodule(parent_name), model.get_submodule(name)
@@ -143,3 +159,8 @@ def shard_model(
     apply_plan(model, plan, tp)
     finish(model, tp)
     return model
+
+
+def _reduce_over(tp: TPGroup, t: torch.Tensor) -> torch.Tensor:
+    """``all_reduce_(t, tp)`` with the group bound first (a weight-only quantized row-parallel linear's reduce)."""
+    return all_reduce_(t, tp)

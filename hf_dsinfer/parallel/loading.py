@@ -135,6 +135,7 @@ def materialize(
     replicated: SafetensorsIndex | None = None,
     presliced: bool = False,
     device: torch.device | None = None,
+    on_loaded: Any = None,
 ) -> nn.Module:
     """Load every parameter of the meta ``model`` (this rank's slices of ``sharded``), then its buffers.
 
@@ -161,7 +162,7 @@ def materialize(
         dtype = current.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=device, dtype=dtype)
 
-    apply_plan(model, plan, tp, load=load)
+    apply_plan(model, plan, tp, load=load, on_loaded=on_loaded)
     _materialize_buffers(model, replicated, prefix, device)
     return model
 
@@ -263,15 +264,21 @@ def load_pretrained_tp(
     cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = DEFAULT_GRAIN,
     injection_policy: dict[str, list[str]] | None = None, checkpoint: dict[str, Any] | None = None,
     attn_implementation: str | None = None, device: torch.device | None = None, ep_size: int = 1,
+    on_loaded: Any = None,
 ) -> nn.Module:
     """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices
-    (``ep_size``: MoE experts split by features (1) or whole per rank (``tp.size``), see ``parallel/moe.py``)."""
+    (``ep_size``: MoE experts split by features (1) or whole per rank (``tp.size``), see ``parallel/moe.py``;
+    ``on_loaded(meta_model)``: returns the per-parameter callback of :func:`~.apply.apply_plan`, e.g. to quantize
+    each linear's slice as soon as it is read)."""
     model = _build_meta(cls, config, dtype, attn_implementation)
     if checkpoint is not None:
         load_from_description(model, checkpoint, tp, grain, injection_policy, device)
     else:
         plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy, ep_size=ep_size)
-        materialize(model, plan, tp, SafetensorsIndex.from_directory(path).rename_for(model), device=device)
+        materialize(
+            model, plan, tp, SafetensorsIndex.from_directory(path).rename_for(model), device=device,
+            on_loaded=on_loaded(model) if on_loaded is not None else None,
+        )
         finish(model, tp)
     model.eval()
     return model

@@ -124,7 +124,13 @@ class TPLayout:
                 f"layer {i}'s policy reports {a.num_heads} q / {a.num_kv_heads} kv heads on this rank but the "
                 f"split keeps {local}"
             )
-        rows = wmap["attn.qkv.weight"].pack(lambda n: hf_layer.get_parameter(n).to("meta")).shape[0]
+        def get(n: str) -> torch.Tensor:  # a parameter, or a weight-only quantized linear's buffer (same rows)
+            try:
+                return hf_layer.get_parameter(n).to("meta")
+            except AttributeError:
+                return hf_layer.get_buffer(n).to("meta")
+
+        rows = wmap["attn.qkv.weight"].pack(get).shape[0]
         if rows != (a.num_heads + 2 * a.num_kv_heads) * a.head_dim:
             return (
                 f"layer {i}'s split qkv has {rows} rows, not ({a.num_heads} + 2 * {a.num_kv_heads}) * "
