@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from hf_dsinfer.generation.api import GEN_ATTR
 from hf_dsinfer.log import LOGGER_NAME
+from hf_dsinfer.modules import cpu_packed
 
 INJECT = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens": 48, "max_batch_size": 4}
 
@@ -81,6 +82,34 @@ def test_compiled_step_equals_eager_and_hf_without_recompiles(tmp_path, compile_
     single = _gen(opt, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
     assert set(compiled.compile_s) == {1, 4}
     assert torch.equal(single[0, len(p) :], out.sequences[0, ids.shape[1] :])
+
+
+@pytest.mark.slow
+def test_compiled_step_calls_the_packed_gemm_and_sees_weight_updates(tmp_path, compile_on, monkeypatch):
+    # batch 4: the linears and the LM head call the oneDNN packed op from the graph (modules/cpu_packed.py); the
+    # tiny weights are below the production size threshold, so it is lowered
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "1")
+    monkeypatch.setattr(cpu_packed, "MIN_ELEMENTS", 0)
+    ref, opt = _load("llama", tmp_path)
+    ids, mask = left_pad(prompts((5, 9, 3, 7)))
+    got = _gen(opt, ids, mask)
+    assert set(getattr(opt, GEN_ATTR).step.compiled.compile_s) == {4}
+    assert torch.equal(got, _gen(ref, ids, mask)), "compiled packed greedy tokens differ from HF"
+    graphs = _graphs()
+    with torch.profiler.profile() as prof:
+        assert torch.equal(_gen(opt, ids, mask), got)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "hf_dsinfer::cpu_packed_linear")
+    assert calls >= 9 * 5, f"{calls} packed GEMMs in 9 decode steps of 4 linears + the LM head"
+
+    # an in-place weight update (load_state_dict, an optimizer step) between calls: the graph's op re-packs
+    scale = torch.linspace(0.2, 3.0, opt.lm_head.weight.shape[0])[:, None]  # [V, 1]
+    with torch.no_grad():
+        opt.lm_head.weight.mul_(scale)
+        ref.lm_head.weight.mul_(scale)
+    after = _gen(opt, ids, mask)
+    assert not torch.equal(after, got), "the update did not change the tokens (the test would prove nothing)"
+    assert torch.equal(after, _gen(ref, ids, mask))
+    assert _graphs() == graphs, "a weight update recompiled the decode step"
 
 
 @pytest.mark.slow
