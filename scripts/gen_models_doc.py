@@ -37,10 +37,10 @@ Each row is one `config.model_type` that has a kernel-injection policy or is in 
 - **Positions**, **Sliding window**, **MoE**: read from the policy's layer specs on the family's *default* config
   (built on the meta device). A `-` under Sliding window means the default config has none; families whose
   policy reads a configured window (e.g. qwen2's `use_sliding_window`) still honour it.
-- **Tensor parallel (tp_size=2)**: AutoTP's plan for two ranks on the default config: `AutoTP` when it splits, else
-  the reason it refuses (built on the meta device, no processes started). Fused families then inject per rank,
-  building their fused layers from that rank's shards; other families run HF's modules on the shards
-  (docs/tensor_parallel.md).
+- **Tensor parallel (tp_size=2)**: AutoTP's plan for two ranks on the default config, applied on the meta device (no
+  processes started): `AutoTP, fused` when the policy's fused layers then take each rank's shards, `AutoTP, HF
+  modules` (with the reason) when injection keeps HF's split modules, `refused: ...` when AutoTP cannot split it
+  (docs/tensor_parallel.md). Families on the generic path run HF's split modules with the static-cache attention.
 - **Tested**: in the fidelity table (`tests/test_fidelity.py`, HF's eager model as the oracle).
 
 The Hybrid Engine (docs/hybrid.md) refreshes a fused inference copy in place for a fused decoder family; a model
@@ -74,14 +74,30 @@ def _layers(policy: Any, model: Any) -> list:
     return list(model.base_model.get_submodule(policy.layers_attr))
 
 
-def _autotp(model: Any) -> str:
+def _autotp(model: Any, policy: Any) -> str:
+    """AutoTP's verdict for rank 0 of 2 and, for a policy, whether its fused layers take the split (the check
+    injection runs before packing, on the meta model split in place)."""
+    from hf_dsinfer.integration.apply import tp_layout
+    from hf_dsinfer.parallel import TPGroup, apply_plan
     from hf_dsinfer.parallel.autotp import build_plan
+    from hf_dsinfer.policies.base import as_source
 
     try:
-        build_plan(model, 2, 0)
+        plan = build_plan(model, 2, 0)
     except ValueError as e:
         return f"refused: {str(e).split(':', 1)[-1].strip() if 'AutoTP' not in str(e) else str(e)}"
-    return "AutoTP"
+    apply_plan(model, plan, TPGroup(None, 2, 0))  # shapes only: nothing communicates on the meta device
+    layout = tp_layout(model)
+    layers = model.base_model.get_submodule(policy.layers_attr)
+    with layout.local_config(model):
+        specs = [policy.layer_spec(model, i, layer) for i, layer in enumerate(layers)]
+        maps = [
+            {k: as_source(v) for k, v in policy.weight_map(model, i, layer).items() if v is not None}
+            for i, layer in enumerate(layers)
+        ]
+    prefix = next(name for name, module in model.named_modules() if module is layers)
+    reason = layout.check(prefix, layers, specs, maps)
+    return "AutoTP, fused" if reason is None else f"AutoTP, HF modules ({reason})"
 
 
 def family_row(model_type: str, policies: dict, tested: set) -> dict[str, str]:
@@ -109,7 +125,7 @@ def family_row(model_type: str, policies: dict, tested: set) -> dict[str, str]:
     windows = sorted({a.sliding_window for a in attn if a.sliding_window})
     row["Sliding window"] = ", ".join(str(w) for w in windows) if windows else "-"
     row["MoE"] = "yes" if any(s.moe is not None for s in specs) else "-"
-    row["Tensor parallel (tp_size=2)"] = _autotp(model)
+    row["Tensor parallel (tp_size=2)"] = _autotp(model, policy)
     return row
 
 
