@@ -95,16 +95,27 @@ def _ddp_case(rank: int, res: dict) -> None:
         # the group's concatenated batch (both ranks' prompts, left-padded together) with rank 0's seed.
         group = [p for r in range(WORLD) for p in prompts(*RANK_PROMPTS[r])]
         all_ids, all_mask = left_pad(group)
-        sample = dict(do_sample=True, top_k=0, temperature=1.0, max_new_tokens=NEW, pad_token_id=PAD)
+        # (min_new_tokens: no eos, so every row runs to max_new_tokens and the group's length is each rank's)
+        sample = dict(
+            do_sample=True, top_k=0, temperature=1.0, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=PAD
+        )
+        offset, cut = sum(len(RANK_PROMPTS[r][0]) for r in range(rank)), all_ids.shape[1] - ids.shape[1]
         torch.manual_seed(1234)
-        ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **sample)
-        offset = sum(len(RANK_PROMPTS[r][0]) for r in range(rank))
-        ref = ref[offset : offset + ids.shape[0], all_ids.shape[1] - ids.shape[1] :]
+        ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **sample)[offset : offset + ids.shape[0], cut:]
         torch.manual_seed(1234 if rank == 0 else 999)
         state = torch.get_rng_state()
         got = tp.generate(input_ids=ids, attention_mask=mask, **sample)
         res["sampled"] = (got, ref)
         res["rng_own"] = torch.equal(torch.get_rng_state(), state) if rank else True
+        # two sequences per prompt, with per-step scores: rows and scores of this rank's prompts
+        extra = dict(sample, num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
+        torch.manual_seed(4321)
+        ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **extra)
+        rows = slice(2 * offset, 2 * (offset + ids.shape[0]))
+        torch.manual_seed(4321 if rank == 0 else 7)
+        got = tp.generate(input_ids=ids, attention_mask=mask, **extra)
+        res["dict_out"] = (got.sequences, ref.sequences[rows, cut:])
+        res["scores"] = (torch.stack(got.scores), torch.stack(ref.scores)[:, rows])
         # scoring: the group's rows are right-padded and run together
         res["logits"] = (tp(input_ids=ids, attention_mask=mask).logits, one(input_ids=ids, attention_mask=mask).logits)
         # generate_batch, 2 prompts per call: rank 0 has 3 prompts (2 calls), rank 1 one (1 call, then an empty one)
@@ -129,6 +140,9 @@ def _ddp_case(rank: int, res: dict) -> None:
     res["stepped"] = not _unchanged(before, ddp)
     with one.inference(), tp.inference():
         res["after_step"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+    res["hf_after"] = _greedy(model, ids, mask)  # HF generate on the trained weights: the oracle of both engines
+    # DDP keeps the replicas equal; were they not, the tp=2 copy would mix two different models
+    res["digest"] = torch.cat([p.detach().flatten() for p in model.parameters()]).double().sum().item()
 
 
 def _lora_case(rank: int, res: dict) -> None:
@@ -247,6 +261,10 @@ def test_tp2_greedy_equals_tp1_with_different_prompts_per_rank(ranks):
 def test_tp2_sampling_follows_rank0_rng_and_logits_match(ranks):
     for rank, res in enumerate(_case(ranks, "ddp")):
         _same(res["sampled"], "sampled (rank 0's seed drives the group)", rank)
+        _same(res["dict_out"], "num_return_sequences=2, return_dict_in_generate", rank)
+        got, ref = res["scores"]
+        finite = ref.isfinite()  # top-k / processors leave -inf where tokens are masked
+        assert torch.equal(finite, got.isfinite()) and torch.allclose(got[finite], ref[finite], rtol=1e-4, atol=1e-4)
         assert res["rng_own"], "rank 1's own RNG state must be given back after the group's generation"
         got, ref = res["logits"]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -256,9 +274,12 @@ def test_tp2_sampling_follows_rank0_rng_and_logits_match(ranks):
 
 @pytest.mark.slow
 def test_tp2_refresh_after_step_and_training_weights_untouched(ranks):
+    digests = [res["digest"] for res in _case(ranks, "ddp")]
+    assert len(set(digests)) == 1, f"the DDP replicas differ after the step: {digests}"
     for res in _case(ranks, "ddp"):
         assert res["unchanged_by_generate"], "generate must not write the training weights"
         assert res["stepped"], "the SGD step must change the weights (else the refresh check proves nothing)"
+        assert torch.equal(res["after_step"][1], res["hf_after"]), "tp=1 engine after the step != HF generate"
         assert not torch.equal(res["after_step"][1], res["greedy"][1]), "the step must change the greedy tokens"
         # each rank holds its slices: about half of the fused weights (norms and rotary tables replicated)
         assert 0.45 < res["memory_ratio"] < 0.6, res["memory_ratio"]

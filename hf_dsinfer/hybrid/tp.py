@@ -24,6 +24,7 @@ instead of hanging). The prompts, and their number, may differ.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import torch
@@ -70,8 +71,10 @@ def inference_group(tp_size: int, setting: str, tp_group: Any = None, mpu: Any =
 
 
 def _digest(value: Any) -> int:
-    """A 63-bit hash of ``repr(value)``: equal settings give equal numbers on every rank."""
-    return int.from_bytes(hashlib.sha1(repr(value).encode()).digest()[:8], "little") >> 1
+    """A 63-bit hash of ``repr(value)``: equal settings give equal numbers on every rank (object addresses, which
+    differ between processes, are left out)."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1
 
 
 class InferenceTP:
@@ -172,9 +175,8 @@ class InferenceTP:
             )
             settings = {k: v for k, v in kwargs.items() if k != "generation_config"}
             lengths = [ids.shape[0], ids.shape[1], _digest((sorted(settings.items()), repr(gen_config))), 0]
-            if gen_config.max_new_tokens is None:
-                if gen_config.min_length:
-                    lengths[3] = 1  # only refused when the group's prompt widths differ (below)
+            if gen_config.min_length:
+                lengths[3] = 1  # min_length counts the prompt: refused below when the group's widths differ
         except Exception as e:  # noqa: BLE001 - re-raised by _agree after the other ranks learned of it
             error = e
         table = self._agree(device, lengths, error)
@@ -215,7 +217,8 @@ class InferenceTP:
         """(input_ids [B, P], attention_mask [B, P], the other kwargs) of one rank's request; refuses what cannot be
         split back into rows."""
         for name in _REFUSED:
-            if kwargs.get(name) not in (None, False):
+            value = kwargs.get(name)
+            if value is not None and value is not False:
                 raise ValueError(
                     f"generate({name}=...) is not supported with inference_tp_size > 1: the group generates one "
                     "concatenated batch, whose per-row extras cannot be handed back to each rank; drop it or set "
