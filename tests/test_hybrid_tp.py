@@ -153,9 +153,18 @@ def _lora_case(rank: int, res: dict) -> None:
     ids, mask = left_pad(prompts(*RANK_PROMPTS[rank]))
     one = hf_dsinfer.HybridEngine(ddp, inference_config={"max_out_tokens": 64})
     before = _snapshot(ddp)
-    tp = hf_dsinfer.HybridEngine(ddp, config=TP_SECTION)
+    tp = hf_dsinfer.HybridEngine(ddp, config=TP_SECTION, refresh="auto")  # the group agrees on each refresh
     res["lora"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
     res["lora_unchanged"] = _unchanged(before, ddp)
+    # a step on the LoRA factors only: the fused slices follow it
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=1.0)
+    batch = torch.tensor(prompts((12, 12), seed=3))
+    ddp.train()
+    ddp(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    ddp.eval()
+    res["lora_after"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
+    res["lora_hf_after"] = _greedy(peft_model.merge_and_unload(), ids, mask)
 
 
 def _fsdp_case(rank: int, res: dict) -> None:
@@ -290,6 +299,9 @@ def test_tp2_lora_and_fsdp2(ranks):
     for rank, res in enumerate(_case(ranks, "lora")):
         _same(res["lora"], "peft LoRA", rank)
         assert res["lora_unchanged"]
+        _same(res["lora_after"], "peft LoRA after a step (refresh='auto')", rank)
+        assert torch.equal(res["lora_after"][1], res["lora_hf_after"]), "tp=1 != HF on the merged LoRA model"
+        assert not torch.equal(res["lora_after"][1], res["lora"][1]), "the LoRA step must change the tokens"
     for rank, res in enumerate(_case(ranks, "fsdp")):
         assert res["fsdp_sharded"] > 0, "fully_shard left no DTensor: the case would prove nothing"
         _same(res["fsdp"], "FSDP2", rank)

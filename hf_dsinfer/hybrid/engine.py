@@ -63,7 +63,8 @@ class HybridEngine:
         model: the model being trained. It may be wrapped (DDP, DeepSpeed), sharded (FSDP2, ZeRO-3) and carry LoRA
             adapters; it is only ever read.
         inference_config: ``InferenceConfig``, dict, JSON path or None (defaults: training dtype, kernel injection
-            on). ``config_kwargs`` are merged in as config fields.
+            on). ``config_kwargs`` are merged in as config fields. ``tensor_parallel.tp_size`` > 1 (or ``config``'s
+            ``inference_tp_size``), under torchrun: the copy is split over groups of ranks (:mod:`.tp`).
         release_inference_cache: free the static KV cache (and any CUDA graphs that read it) whenever the engine
             leaves inference mode (default: ``config``'s value, else False); the next generation allocates and
             re-captures them. Saves memory for training at the cost of that re-capture.
@@ -327,6 +328,8 @@ class HybridEngine:
         self.training_model.eval()
         fingerprint = self._current_fingerprint()
         stale = self.refresh_policy == "always" or self._dirty or fingerprint != self._fingerprint
+        if self.tp is not None and self.refresh_policy == "auto":
+            stale = self.tp.any_rank(stale, self.device)  # a group refreshes together: no rank keeps stale slices
         if self.module is not None and stale:
             self.weights.gather_s = 0.0
             t0 = self._now()

@@ -132,6 +132,10 @@ class InferenceTP:
             )
         return table[:, :-1]
 
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """True when ``flag`` is true on any rank of the group (``refresh="auto"``: refresh together or not at all)."""
+        return bool(self._agree(device, [int(flag)], None)[:, 0].any())
+
     def max_count(self, n: int, device: torch.device) -> int:
         """The largest ``n`` over the group (``generate_batch``: every rank makes the same number of calls)."""
         return int(self._agree(device, [n], None)[:, 0].max())
