@@ -5,7 +5,7 @@ wraps it for training (DDP; FSDP2 in its own case) and compares a ``inference_tp
 engine on the same weights, computed in the same process. The ranks pass *different* prompts (different counts and
 widths): each must get back exactly the rows a ``tp=1`` engine returns for its own prompts. Checked: greedy tokens
 (max_new_tokens, max_length, an eos list that ends rank 0's rows early), sampling with different seeds per rank
-(rank 0's RNG drives the group; rank 1's own RNG state is given back), scoring logits, ``generate_batch`` with a
+(rank 0's RNG drives the group; rank 1's own RNG state is given back; ``sampling="hf"`` too), scoring logits, ``generate_batch`` with a
 different number of chunks per rank, the refresh after an SGD step, training weights bit-unchanged, each rank
 holding about half of the inference weights, peft LoRA, FSDP2-sharded training weights, and settings that differ
 between the ranks (an error on both, no hang). Refusals that need no second process run here directly.
@@ -213,7 +213,31 @@ def _mismatch_case(rank: int, res: dict) -> None:
         res["too_large"] = str(e)
 
 
-CASES = {"ddp": _ddp_case, "lora": _lora_case, "fsdp": _fsdp_case, "mismatch": _mismatch_case}
+def _hf_sampling_case(rank: int, res: dict) -> None:
+    """sampling="hf" (transformers' loop on the copy, torch's global RNG per step): the group draws with rank 0's
+    state; reference: the tp=1 engine with sampling="hf" on the group's concatenated batch, rank 0's seed."""
+    import hf_dsinfer
+
+    model = build_tiny("llama", seed=0)
+    ids, mask = left_pad(prompts(*RANK_PROMPTS[rank]))
+    one = hf_dsinfer.HybridEngine(model, inference_config={"max_out_tokens": 64}, sampling="hf")
+    tp = hf_dsinfer.HybridEngine(model, config=TP_SECTION, sampling="hf")
+    all_ids, all_mask = left_pad([p for r in range(WORLD) for p in prompts(*RANK_PROMPTS[r])])
+    sample = dict(do_sample=True, top_k=0, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=PAD)
+    offset, cut = sum(len(RANK_PROMPTS[r][0]) for r in range(rank)), all_ids.shape[1] - ids.shape[1]
+    torch.manual_seed(55)
+    ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **sample)[offset : offset + ids.shape[0], cut:]
+    torch.manual_seed(55 if rank == 0 else 66)
+    res["hf_sampled"] = (tp.generate(input_ids=ids, attention_mask=mask, **sample), ref)
+
+
+CASES = {
+    "ddp": _ddp_case,
+    "lora": _lora_case,
+    "fsdp": _fsdp_case,
+    "mismatch": _mismatch_case,
+    "hf_sampling": _hf_sampling_case,
+}
 
 
 def worker(job_path: str) -> None:
@@ -277,6 +301,7 @@ def test_tp2_sampling_follows_rank0_rng_and_logits_match(ranks):
         assert res["rng_own"], "rank 1's own RNG state must be given back after the group's generation"
         got, ref = res["logits"]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        _same(_case(ranks, "hf_sampling")[rank]["hf_sampled"], 'sampling="hf"', rank)
         got_b, ref_b = res["batch"]
         assert got_b == ref_b, f"rank {rank} generate_batch: {got_b} != {ref_b}"
 
