@@ -242,3 +242,54 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     worker(sys.argv[2])
     sys.exit(0)
+
+
+def _split_on_one_process(name: str, rank: int):
+    """Case ``name`` split for ``rank`` of 2 in this process (shapes and records only: nothing communicates), with
+    the TPLayout injection would get, the policy's specs / weight maps read under it, and the layer list."""
+    import dataclasses
+
+    import transformers
+
+    from hf_dsinfer.integration.apply import tp_layout
+    from hf_dsinfer.parallel import TPGroup, apply_plan, build_plan
+    from hf_dsinfer.policies import find_policy
+    from hf_dsinfer.policies.base import as_source
+
+    model_type, config, _, _ = CASES[name]
+    common = dict(vocab_size=500, num_hidden_layers=2, pad_token_id=PAD)
+    model = _auto(name).from_config(transformers.AutoConfig.for_model(model_type, **{**common, **config}))
+    apply_plan(model, build_plan(model, 2, rank), TPGroup(None, 2, rank))
+    layout = dataclasses.replace(tp_layout(model), reduce=lambda t: t)
+    policy = find_policy(model)
+    layers = model.base_model.get_submodule(policy.layers_attr)
+    with layout.local_config(model):
+        specs = [policy.layer_spec(model, i, layer) for i, layer in enumerate(layers)]
+        maps = [{k: as_source(v) for k, v in policy.weight_map(model, i, layer).items() if v is not None}
+                for i, layer in enumerate(layers)]  # fmt: skip
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    return layout, specs, maps, layers, prefix
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_bloom_ranks_take_the_slopes_of_their_global_heads(rank):
+    """5 heads on 2 ranks: heads 0-2 and 3-4, each rank with the slopes of those heads of the 5-head sequence."""
+    from hf_dsinfer.policies.bloom import alibi_slopes
+
+    layout, specs, maps, layers, prefix = _split_on_one_process("bloom5", rank)
+    assert layout.check(prefix, layers, specs, maps) is None
+    want = alibi_slopes(5)[:3] if rank == 0 else alibi_slopes(5)[3:]
+    assert all(s.attention.alibi_slopes == want for s in specs)
+
+
+def test_olmo2_fused_layers_take_the_split_norm_only_when_the_spec_says_so():
+    """The olmo2 spec carries the full widths of the split q/k norms (k replicated: share 1/2); a spec without them
+    would normalize this rank's heads only, so the check refuses it."""
+    import dataclasses
+
+    layout, specs, maps, layers, prefix = _split_on_one_process("olmo2_mqa", 1)
+    assert specs[0].attention.qk_norm_split == ((96, 1.0), (16, 0.5))  # q: 6 heads of 16; k: one head, on both ranks
+    assert layout.check(prefix, layers, specs, maps) is None
+    plain = [dataclasses.replace(s, attention=dataclasses.replace(s.attention, qk_norm_split=None)) for s in specs]
+    reason = layout.check(prefix, layers, plain, maps)
+    assert reason is not None and "normalizes over all heads" in reason
