@@ -21,6 +21,8 @@ Nothing reads a device value on the host, so a launch can be captured in a CUDA 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._arch import Target, target_of
@@ -29,6 +31,9 @@ from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .norms import cast_rne, needs_bf16_fix
 from .quant_format import QuantSpec, quant_matmul_reference
+
+if TYPE_CHECKING:
+    from .quant_cpu import CpuPackedWeight
 
 __all__ = ["DECODE_MAX_ROWS", "check_quant_args", "quant_matmul", "quant_matmul_triton", "quant_tiles"]
 
@@ -277,11 +282,6 @@ def quant_matmul_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    if k == 0:
-        out.zero_()
-        if bias is not None:
-            out += bias.to(out.dtype)
-        return out.reshape(*lead, n)
     target = target_of(x)
     bm, bn, bk, warps, stages, aligned = quant_tiles(m, n, k, x.dtype, spec, target)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
@@ -318,7 +318,7 @@ def quant_matmul(
     spec: QuantSpec,
     in_features: int,
     bias: torch.Tensor | None = None,
-    cpu_packed: object | None = None,
+    cpu_packed: CpuPackedWeight | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ dequant(qweight).T (+ bias) -> [..., N]`` in ``x.dtype``, accumulated in fp32.
 
