@@ -1,13 +1,14 @@
-"""oneDNN-prepacked weights for the fp32 CPU GEMMs of decoding at batch >= :data:`MIN_ROWS`: a cache, not a parameter.
+"""oneDNN-prepacked weights for the fp32 CPU GEMMs of batched decoding: a cache beside the weight, not a parameter.
 
-Why: at ``M = 4..16`` rows (batched decoding) MKL's ``sgemm`` over a plain weight re-packs its operand on every call,
-and the largest GEMM of a step (the LM head, ``[vocab, hidden]``) then streams the weight at less than half the rate it
-reaches at ``M = 1``. oneDNN's linear over a weight reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``, the ops inductor's CPU
-"freezing" pass uses) skips that: measured on this project's 2-core EPYC, torch 2.13, 1 thread, the `small` preset's
-linears summed, about 1.4-1.9x faster at ``M = 4`` and ``8`` (docs/performance.md). At ``M = 1`` MKL's GEMV over the
-K-major layout (``linear.gemm_layout``) is faster than any packing, and at ``M = 2`` they are even, so fewer rows keep
-the plain path.
+Why: in decode steps of a few rows, MKL's ``sgemm`` over a plain weight reads it far slower than its GEMV does at one
+row: for the `small` bench preset's LM head (``[32000, 512]``, K-major, 1 thread, this project's 2-core EPYC) 10.7 ms
+at ``M = 8`` against 2.5 ms at ``M = 1``, for the same bytes. oneDNN's linear over a weight reordered once into its
+blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``, the ops
+inductor's CPU "freezing" pass uses) took 7.5 ms. Summed over the preset's linears and head, packed was 1.4-2.3x
+faster at ``M = 4`` and ``8`` in every run taken (docs/performance.md), 1.0-1.2x at ``M = 2`` and at 64-512 rows,
+and about 2x slower at ``M = 1``, where the K-major GEMV (``linear.gemm_layout``) wins. Hence the window
+:data:`MIN_ROWS`..:data:`MAX_ROWS` rows of one token each (a prefill never packs, so batch-1 use holds no copy), and
+:data:`MIN_ELEMENTS`: oneDNN's call costs more than MKL's, which a 512x512 weight does not repay.
 
 How it stays correct:
 
@@ -40,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: ``HF_DSINFER_CPU_PACKED=0`` (or false/off/no) keeps every CPU linear on ``F.linear`` and frees no memory twice.
+#: ``HF_DSINFER_CPU_PACKED=0`` (or false/off/no) keeps every CPU linear on ``F.linear`` (no second copy).
 ENV_VAR = "HF_DSINFER_CPU_PACKED"
 #: Fewest and most rows (``x.numel() // in_features``) that take the packed GEMM; others keep ``F.linear``.
 MIN_ROWS = 4
 MAX_ROWS = 32
-#: Smallest weight (elements) worth packing: oneDNN's call costs more than MKL's, which a 512x512 weight does not repay.
+#: Smallest weight (elements) worth packing (the `small` preset packs qkv, gate_up, down and the head, not o).
 MIN_ELEMENTS = 1 << 19
 #: The attribute holding a module's slot number (a plain int: not a parameter, buffer or ``state_dict`` entry).
 SLOT_ATTR = "_hf_dsinfer_pack_slot"
