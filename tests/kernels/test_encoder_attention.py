@@ -6,6 +6,7 @@ import pytest
 import torch
 from hf_dsinfer.kernels.encoder_attention import (
     encoder_attention,
+    encoder_attention_sdpa,
     encoder_attention_torch,
     encoder_attention_triton,
 )
@@ -49,6 +50,19 @@ def test_encoder_triton_matches_torch(case, dtype, device):
         assert (out[b].abs().sum() == 0) == (length == 0), "only a row without real tokens comes out as zeros"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES + [(3, 3, 8, [4, 4], 4)], ids=_case_id)  # + a batch without padding
+def test_encoder_sdpa_matches_torch(case, dtype):
+    """The CPU path (torch's fused SDPA with the key-padding mask) against the reference, zero-length rows included."""
+    Hq, Hk, D, lens, T = case
+    q, k, v, n = _setup(*case, dtype, "cpu")
+    out = encoder_attention_sdpa(q, k, v, n, D**-0.5)
+    assert out.shape == (len(lens), T, Hq, D) and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, encoder_attention_torch(q, k, v, n, D**-0.5), ATTENTION_TOL)
+    for b, length in enumerate(lens):
+        assert (out[b].abs().sum() == 0) == (length == 0), "only a row without real tokens comes out as zeros"
+
+
 def _bert_eager(q, k, v, lens, scale):
     """transformers' eager BERT attention with the additive bidirectional padding mask it builds."""
     B, T, Hq, D = q.shape
@@ -78,7 +92,7 @@ def test_encoder_dispatch(backend, device, monkeypatch):
     assert_close(encoder_attention(q, k, v, n, 0.2), encoder_attention_torch(q, k, v, n, 0.2), ATTENTION_TOL)
 
 
-@pytest.mark.parametrize("fn", [encoder_attention_triton, encoder_attention_torch])
+@pytest.mark.parametrize("fn", [encoder_attention_triton, encoder_attention_torch, encoder_attention_sdpa])
 def test_encoder_rejects_bad_arguments(fn, device):
     q, k, v, n = _setup(4, 2, 16, [3, 2], 3, torch.float16, device)
     with pytest.raises(ValueError, match="not a multiple of the 3 kv heads"):
