@@ -72,6 +72,7 @@ class QuantSettings:
     def spec_for(self, in_features: int) -> QuantSpec:
         """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row)."""
         from hf_dsinfer.kernels.quant_format import QuantSpec
+
         if self.group_size is not None:
             group = min(self.group_size, in_features)
         else:
@@ -94,8 +95,10 @@ class QuantSettings:
     def describe(self) -> str:
         """Short human description, e.g. ``int4 asymmetric, groups of 128``."""
         kind = "symmetric" if self.symmetric else "asymmetric"
-        groups = f"groups of {self.group_size}" if self.group_size is not None else (
-            "per channel" if self.q_groups == 1 else f"{self.q_groups} groups per row"
+        groups = (
+            f"groups of {self.group_size}"
+            if self.group_size is not None
+            else ("per channel" if self.q_groups == 1 else f"{self.q_groups} groups per row")
         )
         return f"int{self.num_bits} {kind}, {groups}"
 
@@ -312,6 +315,21 @@ def quantize_loaded(module: nn.Module, settings: QuantSettings) -> QuantLinear:
     return QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype)
 
 
+def drop_tensor_pages(t: torch.Tensor) -> None:
+    """Give back the resident file pages under ``t`` when it is a view of a memory-mapped checkpoint.
+
+    transformers reads checkpoint tensors as views of the mapped safetensors file; every page read stays resident
+    (and counts in the process's RSS) until the file is unmapped, so a quantizing load would otherwise peak at the
+    float checkpoint's size. Only whole pages strictly inside ``t`` are dropped (``MADV_DONTNEED``, the same helper
+    kernel injection uses for released weights); the caller has just consumed ``t`` and holds no other view of it.
+    """
+    if t.device.type != "cpu":
+        return
+    from ..policies.injection import _drop_file_pages
+
+    _drop_file_pages([(t.data_ptr(), t.numel() * t.element_size())])
+
+
 def quantize_on_load_op(quantizer: Any) -> Any:
     """transformers' per-tensor quantize op (a ``ConversionOps``): one checkpoint tensor in (float ``[N, K]``), the
     quantized buffers of its :class:`QuantLinear` out. The float tensor is dropped right after."""
@@ -327,6 +345,7 @@ def quantize_on_load_op(quantizer: Any) -> Any:
             value = value[0] if isinstance(value, list) else value
             module = model.get_submodule(full_layer_name.rpartition(".")[0])
             q, s, z = quantize_weight(value, module.spec, module.weight_scales.dtype)
+            drop_tensor_pages(value)  # the float tensor's file pages: read once, not needed again
             del value
             out = {full_layer_name: q, f"{full_layer_name}_scales": s}
             if z is not None:
