@@ -4,6 +4,13 @@
 few ints; the tensors can be registered as non-persistent buffers and the object rebuilt from them with
 :meth:`CpuPackedWeight.from_buffers`); :func:`cpu_quant_matmul` multiplies with it. Kinds:
 
+* ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.fbgemm_pack_gemm_matrix_fp16`` /
+  ``torch.fbgemm_linear_fp16_weight_fp32_activation``, vectorized on AVX2; 2 bytes per weight). Per channel it
+  holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
+  so it is exact like the reference. With groups it holds ``(q - z) * s`` rounded to fp16 (2^-11 relative per
+  weight: not exact; only on request). The packed matrix is an opaque handle fbgemm owns: it cannot be cloned or
+  moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again. It runs as the
+  custom op ``hf_dsinfer::fp16_weight_linear`` so ``torch.compile`` keeps it as one opaque call.
 * ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
 * ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
   The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
@@ -28,15 +35,24 @@ The packed layouts are torch's internal ones: never save them; pack again at loa
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from .quant_format import QuantSpec
 
-__all__ = ["KINDS", "CpuPackedWeight", "cpu_quant_matmul", "pack_for_cpu", "supported_kinds"]
+__all__ = [
+    "KINDS",
+    "CpuPackedWeight",
+    "cpu_quant_matmul",
+    "default_kind",
+    "fbgemm_available",
+    "pack_for_cpu",
+    "supported_kinds",
+]
 
-KINDS = ("int8pack", "int4pack", "dequant")
+KINDS = ("fp16gemm", "int8pack", "int4pack", "dequant")
 _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 
 
@@ -60,19 +76,48 @@ class CpuPackedWeight:
     group: int = 0  # int4pack: the op's group size; dequant: the spec's
     k_padded: int = 0  # K rounded up to a multiple of ``group``
     compute_dtype: torch.dtype = torch.float32
+    source: tuple = ()  # fp16gemm: (qweight, scales, zeros) it was packed from, to pack a deep copy again
+
+    def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
+        import copy
+
+        if self.kind != "fp16gemm":
+            fields = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)}
+            return CpuPackedWeight(**fields)
+        qweight, scales, zeros = copy.deepcopy(self.source, memo)  # fbgemm's handle cannot be copied: pack again
+        return pack_for_cpu(qweight, scales, zeros, self.spec, self.in_features, kind="fp16gemm")
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The tensors, to register as non-persistent buffers (``module.register_buffer(name, t, persistent=False)``)
         so ``.to()`` moves them; rebuild with :meth:`from_buffers` afterwards."""
-        out = {"weight": self.weight, "scales": self.scales}
+        out = {"scales": self.scales} if self.kind == "fp16gemm" else {"weight": self.weight, "scales": self.scales}
         if self.zeros is not None:
             out["zeros"] = self.zeros
         return out
 
     def from_buffers(self, buffers: dict[str, torch.Tensor]) -> CpuPackedWeight:
         """This packing with its tensors replaced (same metadata), e.g. after the module moved its buffers."""
-        return dataclasses.replace(self, weight=buffers["weight"], scales=buffers["scales"],
+        return dataclasses.replace(self, weight=buffers.get("weight", self.weight), scales=buffers["scales"],
                                    zeros=buffers.get("zeros"))  # fmt: skip
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch build has fbgemm (x86 builds; not macOS/ARM), which ``fp16gemm`` needs."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch, "fbgemm_pack_gemm_matrix_fp16")
+
+
+# fbgemm's fp16 GEMM reads an opaque packed handle that fake tensors cannot run: one custom op keeps it a single
+# opaque call in a compiled graph (the CPU decode step) and runs it eagerly inside.
+@torch.library.custom_op("hf_dsinfer::fp16_weight_linear", mutates_args=())
+def _fp16_weight_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fbgemm_.* is deprecated", category=UserWarning)
+        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None)
+
+
+@_fp16_weight_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
@@ -85,7 +130,7 @@ def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
 def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
     """The kinds :func:`pack_for_cpu` can build for ``spec`` (``dequant`` always)."""
     spec = spec.for_features(in_features)
-    kinds = []
+    kinds = ["fp16gemm"] if fbgemm_available() else []
     if spec.num_bits == 8 and spec.symmetric and spec.n_groups(in_features) == 1:
         kinds.append("int8pack")
     if spec.num_bits == 4 and _int4_group(spec, in_features) is not None:
@@ -103,8 +148,9 @@ def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype =
     """
     kinds = supported_kinds(spec, in_features)
     if compute_dtype == torch.bfloat16:
-        return kinds[0]
-    return "dequant"
+        return next(k for k in kinds if k != "fp16gemm")
+    per_channel = spec.for_features(in_features).n_groups(in_features) == 1
+    return "fp16gemm" if per_channel and "fp16gemm" in kinds else "dequant"
 
 
 def pack_for_cpu(
@@ -128,6 +174,28 @@ def pack_for_cpu(
         raise ValueError(f"kind={kind!r} cannot hold {spec} (in_features={in_features}); use one of "
                          f"{supported_kinds(spec, in_features)}")  # fmt: skip
     n, k = qweight.shape[0], in_features
+    if kind == "fp16gemm":
+        if compute_dtype != torch.float32:
+            raise ValueError("kind='fp16gemm' computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
+        if spec.num_bits == 4:
+            from .quant_format import unpack_int4
+
+            q = unpack_int4(qweight, k).float() - (8.0 if zeros is None else 0.0)  # [N, K]
+        else:
+            q = qweight.float()
+        groups = spec.n_groups(k)
+        col_group = torch.arange(k) // spec.group_size  # [K]
+        if zeros is not None:
+            q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
+        if groups == 1:
+            w, post = q, scales.float().reshape(n).contiguous()  # exact in fp16; the row scale after the GEMM
+        else:
+            w, post = q * scales.float()[:, col_group], torch.ones(n)  # rounded to fp16 once: not exact
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="fbgemm_.* is deprecated", category=UserWarning)
+            packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())  # an opaque handle owned by fbgemm
+        return CpuPackedWeight("fp16gemm", packed, post, None, spec, k, n, compute_dtype=compute_dtype,
+                               source=(qweight, scales, zeros))  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
         k_pad = gs * groups
@@ -168,7 +236,11 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
         raise ValueError(f"x must be [..., in_features={packed.in_features}], got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features)  # [M, K]
-    if packed.kind == "dequant":
+    if packed.kind == "fp16gemm":
+        y = _fp16_weight_linear(x2.to(torch.float32).contiguous(), packed.weight, packed.out_features)
+        if packed.spec.n_groups(packed.in_features) == 1:
+            y = y * packed.scales  # [M, N] times the row scales
+    elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
         q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]
         if packed.zeros is not None:
@@ -237,7 +309,7 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
             qs = [quantize_weight(w, spec, scale_dtype=torch.float32) for w in ws]
             for kind in supported_kinds(spec, k):
                 for cd in (torch.float32, torch.bfloat16):
-                    if kind == "dequant" and cd == torch.bfloat16:
+                    if kind in ("dequant", "fp16gemm") and cd == torch.bfloat16:
                         continue
                     name = f"{label} {kind} {'fp32' if cd == torch.float32 else 'bf16'}"
                     cands[name] = [("packed", pack_for_cpu(*q, spec, k, kind=kind, compute_dtype=cd)) for q in qs]

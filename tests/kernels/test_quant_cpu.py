@@ -3,7 +3,14 @@ matmuls (torch's int8/int4 weight ops and the dequant fallback) against quant_ma
 
 import pytest
 import torch
-from hf_dsinfer.kernels.quant_cpu import CpuPackedWeight, cpu_quant_matmul, pack_for_cpu, supported_kinds
+from hf_dsinfer.kernels.quant_cpu import (
+    CpuPackedWeight,
+    cpu_quant_matmul,
+    default_kind,
+    fbgemm_available,
+    pack_for_cpu,
+    supported_kinds,
+)
 from hf_dsinfer.kernels.quant_format import (
     QuantSpec,
     dequantize_weight,
@@ -20,6 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # 1e-2 of the result's scale.
 EXACT = dict(atol=1e-5, rtol=1e-5)
 BF16_COMPUTE = dict(atol=3e-2, rtol=2e-2)
+# fp16gemm with groups rounds each dequantized weight to fp16 (2^-11 relative): ~1e-3 of the O(1) outputs.
+FP16_FOLDED = dict(atol=3e-3, rtol=3e-3)
 
 
 def _weight(n, k, seed=0):
@@ -102,9 +111,15 @@ def test_cpu_kinds_match_reference(case):
     kinds = supported_kinds(spec, k)
     assert ("int8pack" in kinds) == (bits == 8 and sym and group is None)
     assert ("int4pack" in kinds) == (bits == 4 and (group is None or group % 32 == 0))
+    assert ("fp16gemm" in kinds) == fbgemm_available() and "dequant" in kinds
+    per_channel = group is None or group >= k
+    assert default_kind(spec, k) == ("fp16gemm" if per_channel and fbgemm_available() else "dequant")
     for kind in kinds:
         exact = pack_for_cpu(q, s, z, spec, k, kind=kind)
-        torch.testing.assert_close(cpu_quant_matmul(x, exact, b), want, **EXACT, msg=kind)
+        tol = FP16_FOLDED if kind == "fp16gemm" and not per_channel else EXACT
+        torch.testing.assert_close(cpu_quant_matmul(x, exact, b), want, **tol, msg=kind)
+        if kind == "fp16gemm":
+            continue  # computes in fp32 only
         fast = pack_for_cpu(q, s, z, spec, k, kind=kind, compute_dtype=torch.bfloat16)
         got = cpu_quant_matmul(x, fast, b)
         assert got.dtype == torch.float32
@@ -143,11 +158,29 @@ def test_buffers_round_trip_and_bad_arguments():
         cpu_quant_matmul(torch.randn(2, 47), packed)
 
 
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+def test_fp16gemm_deep_copy_packs_again():
+    # fbgemm's packed handle cannot be cloned; a deep copy (of a model holding the packing) packs the copy again.
+    import copy
+
+    spec = QuantSpec(8, 40, False)
+    q, s, z = quantize_weight(_weight(24, 40), spec)
+    packed = pack_for_cpu(q, s, z, spec, 40)
+    assert packed.kind == "fp16gemm" and "weight" not in packed.buffers()
+    twin = copy.deepcopy(packed)
+    assert twin.weight is not packed.weight and twin.source[0] is not q
+    x = torch.randn(3, 40)
+    assert torch.equal(cpu_quant_matmul(x, twin), cpu_quant_matmul(x, packed))
+    torch.testing.assert_close(cpu_quant_matmul(x, packed), quant_matmul_reference(x, q, s, z, spec, 40), **EXACT)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int4pack", "dequant"])
+@pytest.mark.parametrize("kind", ["fp16gemm", "int4pack", "dequant"])
 def test_cpu_quant_matmul_under_torch_compile(kind):
     # The CPU decode step is compiled (generation/compiled_cpu.py): the packed weight is a module attribute.
-    spec = QuantSpec(4, 32, False)
+    if kind == "fp16gemm" and not fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    spec = QuantSpec(4, 32 if kind != "fp16gemm" else 96, False)
     q, s, z = quantize_weight(_weight(32, 96), spec)
     packed = pack_for_cpu(q, s, z, spec, 96, kind=kind)
 
