@@ -5,10 +5,11 @@ wraps it for training (DDP; FSDP2 in its own case) and compares a ``inference_tp
 engine on the same weights, computed in the same process. The ranks pass *different* prompts (different counts and
 widths): each must get back exactly the rows a ``tp=1`` engine returns for its own prompts. Checked: greedy tokens
 (max_new_tokens, max_length, an eos list that ends rank 0's rows early), sampling with different seeds per rank
-(rank 0's RNG drives the group; rank 1's own RNG state is given back; ``sampling="hf"`` too), scoring logits, ``generate_batch`` with a
-different number of chunks per rank, the refresh after an SGD step, training weights bit-unchanged, each rank
-holding about half of the inference weights, peft LoRA, FSDP2-sharded training weights, and settings that differ
-between the ranks (an error on both, no hang). Refusals that need no second process run here directly.
+(rank 0's RNG drives the group; rank 1's own RNG state is given back; ``sampling="hf"`` too), scoring logits (fused
+layers and HF's modules), ``generate_batch`` with a different number of chunks per rank, the refresh after an SGD
+step, training weights bit-unchanged, each rank holding about half of the inference weights, peft LoRA, FSDP2-sharded
+training weights, and settings that differ between the ranks (an error on both, no hang). Refusals that need no
+second process run here directly.
 """
 
 from __future__ import annotations
@@ -229,6 +230,12 @@ def _hf_sampling_case(rank: int, res: dict) -> None:
     ref = one.generate(input_ids=all_ids, attention_mask=all_mask, **sample)[offset : offset + ids.shape[0], cut:]
     torch.manual_seed(55 if rank == 0 else 66)
     res["hf_sampled"] = (tp.generate(input_ids=ids, attention_mask=mask, **sample), ref)
+    # no kernel injection: HF's modules split by AutoTP (scoring pads on the right for them)
+    plain = hf_dsinfer.HybridEngine(model, config=TP_SECTION, replace_with_kernel_inject=False)
+    res["hf_modules"] = (_greedy(plain, ids, mask), _greedy(one, ids, mask))
+    # unpadded rows whose width differs between the ranks: the group right-pads rank 1's rows
+    flat = torch.tensor(prompts((9, 9) if rank == 0 else (7, 7, 7), seed=rank))
+    res["hf_modules_logits"] = (plain(input_ids=flat).logits, one(input_ids=flat).logits)
 
 
 CASES = {
@@ -301,7 +308,11 @@ def test_tp2_sampling_follows_rank0_rng_and_logits_match(ranks):
         assert res["rng_own"], "rank 1's own RNG state must be given back after the group's generation"
         got, ref = res["logits"]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-        _same(_case(ranks, "hf_sampling")[rank]["hf_sampled"], 'sampling="hf"', rank)
+        other = _case(ranks, "hf_sampling")[rank]
+        _same(other["hf_sampled"], 'sampling="hf"', rank)
+        _same(other["hf_modules"], "HF's modules split by AutoTP (no injection)", rank)
+        got, ref = other["hf_modules_logits"]
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         got_b, ref_b = res["batch"]
         assert got_b == ref_b, f"rank {rank} generate_batch: {got_b} != {ref_b}"
 
