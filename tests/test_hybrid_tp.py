@@ -188,6 +188,15 @@ def _fsdp_case(rank: int, res: dict) -> None:
     tp = hf_dsinfer.HybridEngine(model, config=TP_SECTION)
     res["fsdp"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
     res["fsdp_unchanged"] = _unchanged(before, model)
+    # an SGD step on the shards; reference: a tp=1 engine over the same FSDP2 model (it gathers whole tensors)
+    sharded_one = hf_dsinfer.HybridEngine(model, inference_config={"max_out_tokens": 64})
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    batch = torch.tensor(prompts((12, 12), seed=3))
+    model.train()
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    model.eval()
+    res["fsdp_after"] = (_greedy(tp, ids, mask), _greedy(sharded_one, ids, mask))
 
 
 def _mismatch_case(rank: int, res: dict) -> None:
@@ -342,6 +351,8 @@ def test_tp2_lora_and_fsdp2(ranks):
         assert res["fsdp_sharded"] > 0, "fully_shard left no DTensor: the case would prove nothing"
         _same(res["fsdp"], "FSDP2", rank)
         assert res["fsdp_unchanged"]
+        _same(res["fsdp_after"], "FSDP2 after an SGD step", rank)
+        assert not torch.equal(res["fsdp_after"][1], res["fsdp"][1]), "the step must change the tokens"
 
 
 @pytest.mark.slow
