@@ -14,7 +14,7 @@ world size, as for an inference model). Within a group the inference copy is spl
   generate one batch together. Each rank's prompts are gathered (left-padded to the group's widest prompt, rows of
   the ranks in rank order), the group generates the concatenated batch with rank 0's RNG state (so sampled tokens
   agree on every rank), and each rank gets back its own rows, cut to the width and length a ``tp_size=1`` engine
-  would have returned for them. ``__call__`` (scoring) gathers the same way, right-padded.
+  would have returned for them. ``__call__`` (scoring) gathers the same way (right-padded for HF's modules).
 
 Every rank of a group must call ``eval()`` / ``generate`` / ``generate_batch`` / ``__call__`` the same number of
 times, in the same order, with the same generation settings (checked: settings that differ raise on every rank
@@ -33,8 +33,6 @@ from torch import nn
 from ..log import logger
 from ..parallel.groups import TPGroup, init_distributed, resolve_tp_group
 
-# generate() keyword arguments that carry per-row tensors this module knows how to gather (others are refused).
-_ROW_ARGS = ("input_ids", "inputs", "attention_mask")
 # keyword arguments whose output or effect cannot be split back into per-rank rows
 _REFUSED = ("streamer", "inputs_embeds", "position_ids", "past_key_values", "output_attentions",
             "output_hidden_states")  # fmt: skip
@@ -339,7 +337,7 @@ class InferenceTP:
         kwargs = dict(kwargs)
         error: BaseException | None = None
         ids = mask = None
-        values = [0, 0, 0]
+        values = [0, 0]
         try:
             ids = args[0] if args else kwargs.pop("input_ids", None)
             mask = kwargs.pop("attention_mask", None)
@@ -350,7 +348,7 @@ class InferenceTP:
                 )
             ids = ids.to(device)
             mask = torch.ones_like(ids) if mask is None else mask.to(device=device, dtype=torch.long)
-            values = [ids.shape[0], ids.shape[1], 0]
+            values = [ids.shape[0], ids.shape[1]]
         except Exception as e:  # noqa: BLE001 - re-raised by _agree after the other ranks learned of it
             error = e
         table = self._agree(device, values, error)
