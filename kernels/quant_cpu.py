@@ -206,7 +206,9 @@ def pack_for_cpu(
             q = (q - 8 if zeros is None else q).to(torch.int8)  # symmetric: the zero point folded in
         else:
             q = qweight
-        q = F.pad(q, (0, k_pad - k)).contiguous()  # [N, K_pad] int8; padding columns meet zero activations
+        if k_pad != k:
+            q = F.pad(q, (0, k_pad - k))  # [N, K_pad] int8; padding columns meet zero activations
+        q = q.contiguous()  # int8 without padding: the caller's qweight itself, no copy
         s = scales.float().reshape(n, groups, 1).contiguous()  # [N, G, 1]
         z = zeros.float().reshape(n, groups, 1).contiguous() if zeros is not None else None
         return CpuPackedWeight("dequant", q, s, z, spec, k, n, gs, k_pad, compute_dtype)

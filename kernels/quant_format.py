@@ -67,6 +67,16 @@ def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
     return t.reshape(n, -1, group_size)
 
 
+def _stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` (fp32, > 0) as it will be stored in ``dtype``, back in fp32: rounded *up* to a value of ``dtype`` (so
+    the group's range still fits the integer grid) and never 0 (fp16 underflows where fp32 does not)."""
+    if dtype == torch.float32:
+        return scale
+    info = torch.finfo(dtype)
+    stored = (scale * (1.0 + info.eps)).to(dtype).float()  # nearest of a value one ulp up: never below ``scale``
+    return stored.clamp_min(info.tiny * info.eps)  # the smallest subnormal; exactly representable in ``dtype``
+
+
 def quantize_weight(
     weight: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -81,7 +91,7 @@ def quantize_weight(
     tiny = torch.finfo(torch.float32).tiny
     if spec.symmetric:
         qmax = 127.0 if spec.num_bits == 8 else 7.0
-        scale = (g.abs().amax(dim=-1) / qmax).clamp_min(tiny)  # [N, G]
+        scale = _stored_scale((g.abs().amax(dim=-1) / qmax).clamp_min(tiny), scale_dtype)  # [N, G]
         zero = None
         lo, hi = (-qmax, qmax) if spec.num_bits == 8 else (-8.0, 7.0)
         q = torch.round(g / scale[..., None]).clamp_(lo, hi)
@@ -91,10 +101,10 @@ def quantize_weight(
         lo, hi = (-128.0, 127.0) if spec.num_bits == 8 else (0.0, 15.0)
         wmin = g.amin(dim=-1).clamp(max=0.0)  # include 0 so it stays exactly representable
         wmax = g.amax(dim=-1).clamp(min=0.0)
-        scale = ((wmax - wmin) / (hi - lo)).clamp_min(tiny)
+        scale = _stored_scale(((wmax - wmin) / (hi - lo)).clamp_min(tiny), scale_dtype)
         zero = (lo - torch.round(wmin / scale)).clamp_(lo, hi)  # [N, G]
         q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(lo, hi)
-    # Round the scales to their stored dtype first so dequantization uses exactly what is stored.
+    # q was computed against the stored scale (see _stored_scale), so dequantization uses exactly what is stored.
     scale_s = scale.to(scale_dtype)
     q = q.reshape(n, -1)[:, :k]
     if spec.num_bits == 8:
