@@ -124,6 +124,7 @@ class TPLayout:
                 f"layer {i}'s policy reports {a.num_heads} q / {a.num_kv_heads} kv heads on this rank but the "
                 f"split keeps {local}"
             )
+
         def get(n: str) -> torch.Tensor:  # a parameter, or a weight-only quantized linear's buffer (same rows)
             try:
                 return hf_layer.get_parameter(n).to("meta")
