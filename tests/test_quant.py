@@ -233,3 +233,18 @@ def test_reload_without_hf_dsinfer_fails_loudly(saved, tmp_path):
     out = proc.stdout + proc.stderr
     assert "Unknown quantization type" in out and "dsinfer" in out  # transformers' registry names the method
     assert "ignore_mismatched_sizes" in out and "q_proj.weight" in out  # and the load stops on the flat weights
+
+
+# -- Hybrid Engine -----------------------------------------------------------------------------------------------
+
+
+def test_hybrid_engine_refuses_quantized_weights(saved):
+    path = saved("llama")
+    quantized = _load(path, INT8)
+    with pytest.raises(ValueError, match="training model is quantized"):
+        hf_dsinfer.HybridEngine(quantized, inference_config={"dtype": "fp32"})
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(ValueError, match="quantized inference copy.*not supported yet"):
+        hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "fp32", "quant": INT8})
+    with pytest.raises(ValueError, match="quantized inference copy.*not supported yet"):
+        hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "int8"})

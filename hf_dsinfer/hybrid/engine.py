@@ -121,6 +121,12 @@ class HybridEngine:
         self.tp = make_inference_tp(self.config, self.settings is not None) if self.enabled else None
         if self.config.checkpoint is not None:
             raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
+        if self.config.quant is not None:
+            raise ValueError(
+                "the Hybrid Engine's inference config sets `quant` (dtype='int8' too): a weight-only quantized "
+                "inference copy of the training model (QLoRA-style rollouts) is not supported yet; remove `quant` "
+                "(the copy then runs in the inference dtype, e.g. bf16)."
+            )
         self.device = torch.device(device) if device is not None else _local_device(first)
         self.release_inference_cache = bool(release_inference_cache)
         self.refresh_policy = refresh

@@ -68,6 +68,10 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     from ..policies import get_injection
     from ..policies.generic import get_generic
 
+    if quant is not None:  # CPU: pack the quantized weights for torch's CPU ops once, before any step is compiled
+        from ..modules.quant_linear import prepack_cpu
+
+        prepack_cpu(model)
     # the fast generate loop (greedy/sampling), per instance: fused layers, or HF's modules on the generic path
     install_generate(model, cfg, get_injection(model) or get_generic(model))
     if is_tensor_parallel(model):

@@ -24,10 +24,14 @@ from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quant_
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
-try:  # the device kernels (Triton on CUDA, torch's packed CPU ops on CPU); the reference until they exist
+try:  # the device kernels (Triton on CUDA, torch's packed CPU ops on CPU); the reference where they are missing
+    from hf_dsinfer.kernels.quant_cpu import pack_for_cpu
     from hf_dsinfer.kernels.quant_gemm import quant_matmul as _kernel_matmul
 except ImportError:  # pragma: no cover - depends on which kernels are installed
-    _kernel_matmul = None
+    _kernel_matmul = pack_for_cpu = None
+
+#: ``HF_DSINFER_QUANT_CPU_PACK=0`` turns the packed CPU copy off (the reference dequantizes on every call).
+CPU_PACK_ENV = "HF_DSINFER_QUANT_CPU_PACK"
 
 
 def quant_matmul(
@@ -38,10 +42,19 @@ def quant_matmul(
     spec: QuantSpec,
     in_features: int,
     bias: torch.Tensor | None = None,
+    cpu_packed: object | None = None,
 ) -> torch.Tensor:
-    """``x [..., K] @ dequant(weight).T (+ bias) -> [..., N]`` in ``x.dtype``: the one switch between kernels."""
-    fn = _kernel_matmul if _kernel_matmul is not None else quant_matmul_reference
-    return fn(x, weight, scales, zeros, spec, in_features, bias)
+    """``x [..., K] @ dequant(weight).T (+ bias) -> [..., N]`` in ``x.dtype``: the one switch between kernels
+    (``cpu_packed``: the weight packed for torch's CPU ops, see :meth:`QuantLinear.cpu_packed`)."""
+    if _kernel_matmul is None:
+        return quant_matmul_reference(x, weight, scales, zeros, spec, in_features, bias)
+    return _kernel_matmul(x, weight, scales, zeros, spec, in_features, bias, cpu_packed=cpu_packed)
+
+
+def _cpu_pack_enabled() -> bool:
+    import os
+
+    return pack_for_cpu is not None and os.environ.get(CPU_PACK_ENV, "1") != "0"
 
 
 class QuantLinear(nn.Module):
@@ -75,6 +88,8 @@ class QuantLinear(nn.Module):
             bias = nn.Parameter(bias, requires_grad=False)
         self.bias = bias
         self.reduce = reduce
+        self._cpu_packed = None  # CpuPackedWeight, built once (cpu_packed()) and again when the buffers change
+        self._cpu_key: tuple | None = None
 
     # -- construction --------------------------------------------------------------------------------------------
 
@@ -145,12 +160,37 @@ class QuantLinear(nn.Module):
 
     # -- compute ---------------------------------------------------------------------------------------------------
 
+    def _buffer_key(self) -> tuple:
+        ts = [t for t in (self.weight, self.weight_scales, self.weight_zeros) if t is not None]
+        return tuple((t.data_ptr(), t._version, t.device) for t in ts)
+
+    def cpu_packed(self) -> object | None:
+        """The weight packed for torch's CPU ops (``kernels/quant_cpu.py``), built on first use and again whenever
+        the buffers change (replaced, moved or written in place); None off CPU or when packing is off.
+
+        Decoding reads it instead of dequantizing the stored buffers on every call. Built before a step is compiled
+        (:func:`prepack_cpu`): inside ``torch.compile`` the existing pack is used as is.
+        """
+        if self.weight.device.type != "cpu" or self.weight.is_meta or not _cpu_pack_enabled():
+            return None
+        if torch.compiler.is_compiling():
+            return self._cpu_packed
+        key = self._buffer_key()
+        if self._cpu_packed is None or key != self._cpu_key:
+            self._cpu_packed = pack_for_cpu(
+                self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features
+            )  # fmt: skip
+            self._cpu_key = key
+        return self._cpu_packed
+
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
         """``x [..., in] -> [..., out]`` (``defer_reduce``: see :meth:`hf_dsinfer.modules.Linear.forward`)."""
+        packed = self.cpu_packed() if x.device.type == "cpu" else None
         if self.reduce is None:
             return quant_matmul(x, self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features,
-                                self.bias)  # fmt: skip
-        y = quant_matmul(x, self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features)
+                                self.bias, packed)  # fmt: skip
+        y = quant_matmul(x, self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features,
+                         cpu_packed=packed)  # fmt: skip
         if defer_reduce:
             return y
         y = self.reduce(y)
@@ -294,3 +334,9 @@ def release_quantized(modules: list[nn.Module]) -> None:
                 t = getattr(m, name)
                 if t is not None:
                     setattr(m, name, torch.empty(0, dtype=t.dtype, device=t.device))
+
+
+def prepack_cpu(model: nn.Module) -> int:
+    """Build the CPU pack of every :class:`QuantLinear` of ``model`` now (before a step is compiled); returns how
+    many were packed."""
+    return sum(m.cpu_packed() is not None for m in model.modules() if isinstance(m, QuantLinear))
