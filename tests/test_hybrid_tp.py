@@ -81,6 +81,7 @@ def _ddp_case(rank: int, res: dict) -> None:
     tp = hf_dsinfer.HybridEngine(ddp, config=TP_SECTION)
     res["memory_ratio"] = tp.memory()["weights"] / one.memory()["weights"]
     res["injected"] = is_injected(tp.module)
+    res["repr"] = repr(tp)
 
     with one.inference(), tp.inference():
         res["greedy"] = (_greedy(tp, ids, mask), _greedy(one, ids, mask))
@@ -298,6 +299,7 @@ def _same(pair, what: str, rank: int) -> None:
 def test_tp2_greedy_equals_tp1_with_different_prompts_per_rank(ranks):
     for rank, res in enumerate(_case(ranks, "ddp")):
         assert res["injected"], "the tp=2 copy must run fused layers on its slices"
+        assert "inference_tp_size=2" in res["repr"], res["repr"]
         n = len(RANK_PROMPTS[rank][0])
         assert res["greedy"][0].shape[0] == n, "each rank gets back its own rows only"
         for what in ("greedy", "max_length", "eos", "after_step"):

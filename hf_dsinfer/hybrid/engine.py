@@ -517,5 +517,6 @@ class HybridEngine:
             return f"HybridEngine(disabled: generate runs on the training model, mode={mode}, {self.stats!r})"
         return (
             f"HybridEngine({type(self.module).__name__}, dtype={self.config.dtype}, "
-            f"injected={get_injection(self.module) is not None}, mode={mode}, {self.stats!r})"
+            f"injected={get_injection(self.module) is not None}, "
+            f"{f'inference_tp_size={self.tp.group.size}, ' if self.tp is not None else ''}mode={mode}, {self.stats!r})"
         )
