@@ -9,8 +9,8 @@ few ints; the tensors can be registered as non-persistent buffers and the object
   holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
   so it is exact like the reference. With groups it holds ``(q - z) * s`` rounded to fp16 (2^-11 relative per
   weight: not exact; only on request). The packed matrix is an opaque handle fbgemm owns: it cannot be cloned or
-  moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again. It runs as the
-  custom op ``hf_dsinfer::fp16_weight_linear`` so ``torch.compile`` keeps it as one opaque call.
+  moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again. Under
+  ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
 * ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
 * ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
   The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
@@ -106,18 +106,33 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch, "fbgemm_pack_gemm_matrix_fp16")
 
 
-# fbgemm's fp16 GEMM reads an opaque packed handle that fake tensors cannot run: one custom op keeps it a single
-# opaque call in a compiled graph (the CPU decode step) and runs it eagerly inside.
-@torch.library.custom_op("hf_dsinfer::fp16_weight_linear", mutates_args=())
+# torch 2.13 marks the fbgemm fp16 functions deprecated ("will be removed in a future release"); nothing a user can act
+# on (fbgemm_available() falls back to ``dequant`` once they are gone), so that one message is filtered.
+warnings.filterwarnings(
+    "ignore", message=r"fbgemm_(pack_gemm_matrix_fp16|linear_fp16_weight_fp32_activation) is deprecated"
+)
+
+# fbgemm's fp16 GEMM reads an opaque packed handle that fake tensors cannot run: inside torch.compile it is one opaque
+# op (defined with torch.library directly: ~15 us per call here, where a torch.library.custom_op costs ~80 us);
+# eager calls skip the op and call fbgemm directly.
+_LIB = torch.library.Library("hf_dsinfer", "FRAGMENT")
+_OP = "fp16_weight_linear"
+try:
+    _LIB.define(f"{_OP}(Tensor x, Tensor packed, int out_features) -> Tensor")
+except RuntimeError:  # pragma: no cover - defined already (the module imported twice under two names)
+    pass
+else:
+    _LIB.impl(_OP, lambda x, packed, out_features: torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None),
+              "CPU")  # fmt: skip
+    torch.library.register_fake(f"hf_dsinfer::{_OP}", lambda x, packed, out_features: x.new_empty(x.shape[0],
+                                out_features), lib=_LIB)  # fmt: skip
+
+
 def _fp16_weight_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="fbgemm_.* is deprecated", category=UserWarning)
-        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None)
-
-
-@_fp16_weight_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    """``x [M, K]`` fp32 times the fbgemm-packed fp16 weight: ``[M, out_features]`` fp32."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_dsinfer.fp16_weight_linear(x, packed, out_features)
+    return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None)
 
 
 def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
@@ -191,9 +206,7 @@ def pack_for_cpu(
             w, post = q, scales.float().reshape(n).contiguous()  # exact in fp16; the row scale after the GEMM
         else:
             w, post = q * scales.float()[:, col_group], torch.ones(n)  # rounded to fp16 once: not exact
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="fbgemm_.* is deprecated", category=UserWarning)
-            packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())  # an opaque handle owned by fbgemm
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())  # an opaque handle owned by fbgemm
         return CpuPackedWeight("fp16gemm", packed, post, None, spec, k, n, compute_dtype=compute_dtype,
                                source=(qweight, scales, zeros))  # fmt: skip
     if kind == "dequant":
@@ -294,7 +307,8 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
     K-major weight (what :func:`hf_dsinfer.modules.linear.gemm_layout` gives on CPU) and of every packed kind for
     int8 per channel and int4 group 128, fp32 and bf16 compute. Each candidate cycles through as many weight copies
     as make ``fp32_bytes`` of fp32 weights (a model's worth: more than the last-level cache), each copy stored in
-    its own format, so a quantized model's smaller footprint counts as it would in a decode step."""
+    its own format, so a quantized model's smaller footprint counts as it would in a decode step. The repeats go
+    round robin over the candidates."""
     from .quant_format import quantize_weight
 
     out = []
@@ -318,14 +332,19 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
         del ws
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            row = {"shape": f"{n}x{k}", "M": m, "copies": copies}
-            for name, items in cands.items():
-                fns = [
+            fns = {
+                name: [
                     (lambda w=w, x=x: F.linear(x, w)) if how == "linear" else (lambda p=w, x=x: cpu_quant_matmul(x, p))
                     for how, w in items
                 ]
-                times = [_time_calls(fns) * 1e6 for _ in range(repeats)]
-                row[name] = (min(times), max(times))
+                for name, items in cands.items()
+            }
+            times: dict[str, list[float]] = {name: [] for name in cands}
+            for _ in range(repeats):  # round robin: a load spike on a shared machine hits every candidate alike
+                for name, calls in fns.items():
+                    times[name].append(_time_calls(calls) * 1e6)
+            row = {"shape": f"{n}x{k}", "M": m, "copies": copies}
+            row.update({name: (min(ts), max(ts)) for name, ts in times.items()})
             out.append(row)
     return out
 

@@ -20,7 +20,10 @@ from hf_dsinfer.kernels.quant_format import (
 )
 from hf_dsinfer.kernels.quant_gemm import quant_matmul
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:fbgemm_.* is deprecated"),  # quant_cpu filters it; pytest resets filters
+]
 
 # fp32 compute: the same dequantized fp32 weights as the reference, another summation order (results O(1): 1e-5 is
 # ~100 fp32 ulps). bf16 compute rounds the activations and the output to bf16: 2^-8 relative each, so about
