@@ -423,7 +423,6 @@ def test_tp2_autotp_families_match_tp1(run_families, name):
         assert got["n_params"] < 0.8 * n_params
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ENCODERS])
 def test_tp2_fused_families_match_tp1(run_families, name):
