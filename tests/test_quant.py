@@ -248,3 +248,26 @@ def test_hybrid_engine_refuses_quantized_weights(saved):
         hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "fp32", "quant": INT8})
     with pytest.raises(ValueError, match="quantized inference copy.*not supported yet"):
         hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "int8"})
+
+
+# -- compiled CPU decode step ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", [INT8, INT4_ASYM], ids=["int8", "int4-asym-g32"])
+@torch.no_grad()
+def test_compiled_cpu_decode_step_equals_eager(saved, monkeypatch, quant):
+    """The quantized linears (their CPU packs) run inside the compiled decode step: same tokens as the eager step."""
+    from hf_dsinfer.generation.api import GEN_ATTR
+
+    path = saved("llama")
+    ids, mask, _ = _batch()
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=PAD)
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "0")
+    eager = _load(path, quant, max_out_tokens=48, max_batch_size=4).generate(input_ids=ids, attention_mask=mask, **kw)
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    model = _load(path, quant, max_out_tokens=48, max_batch_size=4)
+    got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    compiled = getattr(model, GEN_ATTR).step.compiled
+    assert compiled.compile_s and not compiled.failed, "the decode step did not run compiled"
+    assert torch.equal(got, eager)
