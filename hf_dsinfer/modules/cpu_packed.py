@@ -164,7 +164,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``module``'s packed copy of ``weight``: ``x [..., in] -> [..., out]``."""
-    return torch.ops.hf_dsinfer.cpu_packed_linear(x, weight, bias, getattr(module, SLOT_ATTR))
+    # The reshapes are done here, not in the op: traced, they cost nothing at run time.
+    y = torch.ops.hf_dsinfer.cpu_packed_linear(x.reshape(-1, x.shape[-1]), weight, bias, getattr(module, SLOT_ATTR))
+    return y.view(*x.shape[:-1], weight.shape[0])  # [M, out] -> [..., out]
 
 
 def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -220,25 +222,23 @@ def _repack(slot: int, weight: torch.Tensor) -> _Pack:
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
-    """The op's CPU kernel: re-pack when the weight changed, then oneDNN's linear over ``x [..., in]``."""
+    """The op's CPU kernel: re-pack when the weight changed, then oneDNN's linear; ``x [M, in] -> [M, out]``."""
     pack = _packs.get(slot)
     if pack is None or pack.ptr != weight.data_ptr() or pack.version != _version(weight) or pack.shape != weight.shape:
         pack = _repack(slot, weight)
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, in]
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(x2, pack.packed, bias, "none", [], "")  # [M, out]
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, pack.packed, bias, "none", [], "")
 
 
 def _fake_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((x.shape[0], weight.shape[0]))  # [M, out]
 
 
 # FRAGMENT: other parts of the package may add ops to the same namespace.
 _lib = torch.library.Library("hf_dsinfer", "FRAGMENT")
-_lib.define("cpu_packed_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")
+_lib.define("cpu_packed_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")  # x: [M, in]
 _lib.impl("cpu_packed_linear", _packed_linear, "CPU")
 torch.library.register_fake("hf_dsinfer::cpu_packed_linear", _fake_packed_linear, lib=_lib)
