@@ -55,9 +55,15 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     apply_tensor_parallel(model, cfg)
     quant = cfg.quant_settings
     if quant is not None:  # weight-only int8/int4: linears not already quantized at load (init_inference, AutoTP)
+        from ..modules.quant_linear import QuantLinear
         from .quant_config import quantize_model_
 
         quantize_model_(model, quant)
+        if not any(isinstance(m, QuantLinear) for m in model.modules()):
+            warn_once(
+                f"quant: {type(model).__name__} has no nn.Linear layers hf_dsinfer quantizes (e.g. GPT-2's Conv1D, "
+                "MoE experts); its weights stay in the activation dtype."
+            )
     if cfg.injects:  # True or "auto" (the default): same path; no policy -> HF's modules, one warning
         from ..policies import inject
 
