@@ -24,7 +24,8 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 
 Exactness: the ops take their scales in the activation dtype and return that dtype, so with
 ``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
-result is the reference's ``x @ dequant(w).T`` up to fp32 summation order, then rounded once to ``x.dtype``. With
+result is the reference's ``x @ dequant(w).T`` up to fp32 summation order (``fp16gemm`` with groups aside, above),
+then rounded once to ``x.dtype``. With
 ``compute_dtype=torch.bfloat16`` the activations and the result are rounded to bf16 (2^-8 relative each): faster on
 CPUs whose torch kernels vectorize only bf16 (measured in docs/kernels.md), not exact.
 
@@ -156,10 +157,10 @@ def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
 def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype = torch.float32) -> str:
     """The kind :func:`pack_for_cpu` picks, from the measurements in docs/kernels.md.
 
-    fp32 compute: ``dequant``. torch 2.13's int8/int4 weight kernels have no vectorized fp32 path on AVX2 CPUs
-    (measured 3-25x slower than fp32 ``F.linear``), while dequant-then-``F.linear`` costs 0.2-0.9x of it. bf16
-    compute: torch's packed op where it applies (1.2-3.4x faster than fp32 ``F.linear`` in the same runs), else
-    ``dequant``.
+    fp32 compute: ``fp16gemm`` per channel (exact; 1.3-3.6x faster than fp32 ``F.linear`` on the AVX2 dev machine),
+    else ``dequant`` (exact, 0.2-1.0x; ``fp16gemm`` on groups is fast but rounds weights to fp16, so only on
+    request). torch's int8/int4 weight kernels have no vectorized fp32 path there (0.05-0.39x). bf16 compute:
+    ``int8pack`` / ``int4pack`` where they apply (1.2-3.5x), else ``dequant``.
     """
     kinds = supported_kinds(spec, in_features)
     if compute_dtype == torch.bfloat16:
