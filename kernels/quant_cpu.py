@@ -7,10 +7,12 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 * ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.fbgemm_pack_gemm_matrix_fp16`` /
   ``torch.fbgemm_linear_fp16_weight_fp32_activation``, vectorized on AVX2; 2 bytes per weight). Per channel it
   holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
-  so it is exact like the reference. With groups it holds ``(q - z) * s`` rounded to fp16 (2^-11 relative per
-  weight: not exact; only on request). The packed matrix is an opaque handle fbgemm owns: it cannot be cloned or
-  moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again. Under
-  ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
+  so it is exact like the reference. With groups the activations are block-expanded (row ``g * M + m`` is row
+  ``m`` masked to group ``g``'s columns), so one GEMM gives every group's partial sums, which are scaled and summed
+  in fp32: exact too, and the weight is still read once; past :data:`FP16GEMM_MAX_EXPANDED_ROWS` expanded rows
+  (prefill) the weight is dequantized once instead. The packed matrix is an opaque handle fbgemm owns: it cannot
+  be cloned or moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again.
+  Under ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
 * ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
 * ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
   The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
@@ -24,8 +26,7 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 
 Exactness: the ops take their scales in the activation dtype and return that dtype, so with
 ``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
-result is the reference's ``x @ dequant(w).T`` up to fp32 summation order (``fp16gemm`` with groups aside, above),
-then rounded once to ``x.dtype``. With
+result is the reference's ``x @ dequant(w).T`` up to fp32 summation order, then rounded once to ``x.dtype``. With
 ``compute_dtype=torch.bfloat16`` the activations and the result are rounded to bf16 (2^-8 relative each): faster on
 CPUs whose torch kernels vectorize only bf16 (measured in docs/kernels.md), not exact.
 
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 KINDS = ("fp16gemm", "int8pack", "int4pack", "dequant")
+#: fp16gemm with groups runs M * G rows through one GEMM up to this many (decode); more dequantizes once instead.
+FP16GEMM_MAX_EXPANDED_ROWS = 64
 _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 
 
@@ -61,10 +64,11 @@ _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 class CpuPackedWeight:
     """A quantized weight packed for :func:`cpu_quant_matmul`.
 
-    ``weight``: int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]`` uint8 (int4pack) or int8
-    ``[N, K_pad]`` values (dequant). ``scales``: ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero
-    pairs (int4pack) or fp32 ``[N, G, 1]`` (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), else
-    None. Ints and the spec are plain attributes, so ``torch.compile`` treats them as constants.
+    ``weight``: fbgemm's handle (fp16gemm), int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]``
+    uint8 (int4pack) or int8 ``[N, K_pad]`` values (dequant). ``scales``: fp32 ``[N]`` or ``[G, N]`` (fp16gemm),
+    ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero pairs (int4pack) or fp32 ``[N, G, 1]``
+    (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), the 0/1 group mask ``[G, K]`` (fp16gemm with
+    groups), else None. Ints and the spec are plain attributes, so ``torch.compile`` treats them as constants.
     """
 
     kind: str
@@ -157,16 +161,14 @@ def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
 def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype = torch.float32) -> str:
     """The kind :func:`pack_for_cpu` picks, from the measurements in docs/kernels.md.
 
-    fp32 compute: ``fp16gemm`` per channel (exact; 1.3-3.6x faster than fp32 ``F.linear`` on the AVX2 dev machine),
-    else ``dequant`` (exact, 0.2-1.0x; ``fp16gemm`` on groups is fast but rounds weights to fp16, so only on
-    request). torch's int8/int4 weight kernels have no vectorized fp32 path there (0.05-0.39x). bf16 compute:
-    ``int8pack`` / ``int4pack`` where they apply (1.2-3.5x), else ``dequant``.
+    fp32 compute: ``fp16gemm`` (exact; faster than fp32 ``F.linear`` on the AVX2 dev machine, see the table), else
+    ``dequant`` (exact, 0.2-1.0x). torch's int8/int4 weight kernels have no vectorized fp32 path there
+    (0.05-0.39x). bf16 compute: ``int8pack`` / ``int4pack`` where they apply (1.2-3.5x), else ``dequant``.
     """
     kinds = supported_kinds(spec, in_features)
     if compute_dtype == torch.bfloat16:
         return next(k for k in kinds if k != "fp16gemm")
-    per_channel = spec.for_features(in_features).n_groups(in_features) == 1
-    return "fp16gemm" if per_channel and "fp16gemm" in kinds else "dequant"
+    return kinds[0]  # fp16gemm when fbgemm is there, else dequant
 
 
 def pack_for_cpu(
@@ -203,12 +205,12 @@ def pack_for_cpu(
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
             q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        if groups == 1:
-            w, post = q, scales.float().reshape(n).contiguous()  # exact in fp16; the row scale after the GEMM
-        else:
-            w, post = q * scales.float()[:, col_group], torch.ones(n)  # rounded to fp16 once: not exact
-        packed = torch.fbgemm_pack_gemm_matrix_fp16(w.contiguous())  # an opaque handle owned by fbgemm
-        return CpuPackedWeight("fp16gemm", packed, post, None, spec, k, n, compute_dtype=compute_dtype,
+        # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group on
+        # the block-expanded activations (see cpu_quant_matmul).
+        post = scales.float().reshape(n).contiguous() if groups == 1 else scales.float().t().contiguous()  # [N]/[G, N]
+        mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(q.contiguous())  # an opaque handle owned by fbgemm
+        return CpuPackedWeight("fp16gemm", packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
                                source=(qweight, scales, zeros))  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
@@ -253,9 +255,21 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features)  # [M, K]
     if packed.kind == "fp16gemm":
-        y = _fp16_weight_linear(x2.to(torch.float32).contiguous(), packed.weight, packed.out_features)
-        if packed.spec.n_groups(packed.in_features) == 1:
-            y = y * packed.scales  # [M, N] times the row scales
+        xf = x2.to(torch.float32).contiguous()
+        m, n, groups = xf.shape[0], packed.out_features, packed.spec.n_groups(packed.in_features)
+        if groups == 1:
+            y = _fp16_weight_linear(xf, packed.weight, n) * packed.scales  # [M, N] times the row scales
+        elif m * groups <= FP16GEMM_MAX_EXPANDED_ROWS:
+            # Group g's partial sums are x masked to g's columns times the integer weight: G * M rows through one
+            # GEMM that still reads the weight once (decoding is bound by those bytes, not by the rows).
+            xe = (xf[None] * packed.zeros[:, None, :]).reshape(groups * m, -1)  # [G * M, K]
+            ye = _fp16_weight_linear(xe, packed.weight, n).view(groups, m, n)  # [G, M, N]
+            y = (ye * packed.scales[:, None, :]).sum(0)  # [M, N]: per-group scales, then the sum over groups
+        else:  # many rows (prefill): dequantize once for all of them
+            from .quant_format import dequantize_weight
+
+            w = dequantize_weight(*packed.source, packed.spec, packed.in_features, dtype=torch.float32)
+            y = F.linear(xf, w)
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
         q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]

@@ -4,6 +4,7 @@ matmuls (torch's int8/int4 weight ops and the dequant fallback) against quant_ma
 import pytest
 import torch
 from hf_dsinfer.kernels.quant_cpu import (
+    FP16GEMM_MAX_EXPANDED_ROWS,
     CpuPackedWeight,
     cpu_quant_matmul,
     default_kind,
@@ -30,8 +31,6 @@ pytestmark = [
 # 1e-2 of the result's scale.
 EXACT = dict(atol=1e-5, rtol=1e-5)
 BF16_COMPUTE = dict(atol=3e-2, rtol=2e-2)
-# fp16gemm with groups rounds each dequantized weight to fp16 (2^-11 relative): ~1e-3 of the O(1) outputs.
-FP16_FOLDED = dict(atol=3e-3, rtol=3e-3)
 
 
 def _weight(n, k, seed=0):
@@ -121,12 +120,10 @@ def test_cpu_kinds_match_reference(case):
     assert ("int8pack" in kinds) == (bits == 8 and sym and group is None)
     assert ("int4pack" in kinds) == (bits == 4 and (group is None or group % 32 == 0))
     assert ("fp16gemm" in kinds) == fbgemm_available() and "dequant" in kinds
-    per_channel = group is None or group >= k
-    assert default_kind(spec, k) == ("fp16gemm" if per_channel and fbgemm_available() else "dequant")
+    assert default_kind(spec, k) == ("fp16gemm" if fbgemm_available() else "dequant")
     for kind in kinds:
         exact = pack_for_cpu(q, s, z, spec, k, kind=kind)
-        tol = FP16_FOLDED if kind == "fp16gemm" and not per_channel else EXACT
-        torch.testing.assert_close(cpu_quant_matmul(x, exact, b), want, **tol, msg=kind)
+        torch.testing.assert_close(cpu_quant_matmul(x, exact, b), want, **EXACT, msg=kind)
         if kind == "fp16gemm":
             continue  # computes in fp32 only
         fast = pack_for_cpu(q, s, z, spec, k, kind=kind, compute_dtype=torch.bfloat16)
@@ -168,6 +165,18 @@ def test_buffers_round_trip_and_bad_arguments():
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
+def test_fp16gemm_groups_decode_and_prefill_rows():
+    # Up to FP16GEMM_MAX_EXPANDED_ROWS rows x groups run block-expanded through one GEMM; more dequantize once.
+    spec = QuantSpec(4, 32, False)
+    q, s, z = quantize_weight(_weight(24, 100), spec)  # 4 groups, the last one ragged
+    packed = pack_for_cpu(q, s, z, spec, 100)
+    assert packed.kind == "fp16gemm"
+    for m in (1, FP16GEMM_MAX_EXPANDED_ROWS // 4, FP16GEMM_MAX_EXPANDED_ROWS // 4 + 1, 40):
+        x = torch.randn(m, 100)
+        torch.testing.assert_close(cpu_quant_matmul(x, packed), quant_matmul_reference(x, q, s, z, spec, 100), **EXACT)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no fbgemm")
 def test_fp16gemm_deep_copy_packs_again():
     # fbgemm's packed handle cannot be cloned; a deep copy (of a model holding the packing) packs the copy again.
     import copy
@@ -189,7 +198,7 @@ def test_cpu_quant_matmul_under_torch_compile(kind):
     # The CPU decode step is compiled (generation/compiled_cpu.py): the packed weight is a module attribute.
     if kind == "fp16gemm" and not fbgemm_available():
         pytest.skip("this torch build has no fbgemm")
-    spec = QuantSpec(4, 32 if kind != "fp16gemm" else 96, False)
+    spec = QuantSpec(4, 32, False)  # fp16gemm: the block-expanded group path
     q, s, z = quantize_weight(_weight(32, 96), spec)
     packed = pack_for_cpu(q, s, z, spec, 96, kind=kind)
 
