@@ -20,7 +20,7 @@ from tiny_models import PAD, left_pad, prompts, save_tiny
 
 import hf_dsinfer  # noqa: F401  (registers inference_config)
 from hf_dsinfer import InferenceConfig
-from hf_dsinfer.modules.quant_linear import QuantLinear
+from hf_dsinfer.modules.quant_linear import CPU_KIND_ENV, QuantLinear
 from hf_dsinfer.policies import is_injected
 
 INT8 = {"enabled": True, "weight": {"num_bits": 8}}
@@ -109,9 +109,15 @@ def test_config_errors_name_the_key(quant, match):
 # -- loading, exactness, error bounds -------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def exact_cpu_kind(monkeypatch):
+    """CPU packs that compute exactly the reference (grouped weights dequantized per call, not fp16-rounded)."""
+    monkeypatch.setenv(CPU_KIND_ENV, "exact")
+
+
 @pytest.mark.parametrize("quant", [INT8, INT4, INT4_ASYM], ids=["int8", "int4", "int4-asym-g32"])
 @torch.no_grad()
-def test_hf_path_equals_dequantized_weights(saved, quant):
+def test_hf_path_equals_dequantized_weights(saved, quant, exact_cpu_kind):
     """Without injection (HF's modules): every nn.Linear but the LM head is a QuantLinear, and the logits are those
     of HF's fp32 model holding the dequantized weights."""
     path = saved("llama")
@@ -128,7 +134,7 @@ def test_hf_path_equals_dequantized_weights(saved, quant):
 
 @pytest.mark.parametrize("quant", [INT8, INT4_ASYM], ids=["int8", "int4-asym-g32"])
 @torch.no_grad()
-def test_injected_equals_hf_path(saved, quant):
+def test_injected_equals_hf_path(saved, quant, exact_cpu_kind):
     """Fused layers pack quantized q/k/v and gate/up (row-wise cat): same logits as the quantized HF modules."""
     path = saved("llama")
     fused = _load(path, quant, replace_with_kernel_inject=True)
@@ -141,6 +147,21 @@ def test_injected_equals_hf_path(saved, quant):
     got = fused(input_ids=ids, attention_mask=mask).logits
     want = plain(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_default_cpu_kind_close_to_exact(saved, monkeypatch):
+    """The default CPU pack for grouped weights (fbgemm's fp16-weight GEMM: (q - z) * s rounded to fp16) stays within
+    fp16 rounding of the exact path; per-channel int8 is exact in both."""
+    path = saved("llama")
+    ids, mask, real = _batch()
+    monkeypatch.setenv(CPU_KIND_ENV, "exact")
+    exact = _load(path, INT4_ASYM)(input_ids=ids, attention_mask=mask).logits
+    monkeypatch.setenv(CPU_KIND_ENV, "auto")
+    model = _load(path, INT4_ASYM)
+    kinds = {m.cpu_packed().kind for m in model.modules() if isinstance(m, QuantLinear)}
+    got = model(input_ids=ids, attention_mask=mask).logits
+    assert _rel_err(got, exact, real) < 2e-3, kinds
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])

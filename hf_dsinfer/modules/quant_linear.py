@@ -25,13 +25,29 @@ from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quant_
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 try:  # the device kernels (Triton on CUDA, torch's packed CPU ops on CPU); the reference where they are missing
-    from hf_dsinfer.kernels.quant_cpu import pack_for_cpu
+    from hf_dsinfer.kernels.quant_cpu import pack_for_cpu, supported_kinds
     from hf_dsinfer.kernels.quant_gemm import quant_matmul as _kernel_matmul
 except ImportError:  # pragma: no cover - depends on which kernels are installed
-    _kernel_matmul = pack_for_cpu = None
+    _kernel_matmul = pack_for_cpu = supported_kinds = None
 
 #: ``HF_DSINFER_QUANT_CPU_PACK=0`` turns the packed CPU copy off (the reference dequantizes on every call).
 CPU_PACK_ENV = "HF_DSINFER_QUANT_CPU_PACK"
+#: Which CPU kind packs a weight: ``auto`` (default: fbgemm's fp16-weight GEMM wherever it applies, the fastest with
+#: fp32 activations; exact per channel, ``(q - z) * s`` rounded to fp16 (2^-11 relative) with groups), ``exact``
+#: (``kernels/quant_cpu.default_kind``: exact for every spec, dequantizing grouped weights per call) or a kind name.
+CPU_KIND_ENV = "HF_DSINFER_QUANT_CPU_KIND"
+
+
+def _cpu_kind(spec: QuantSpec, in_features: int) -> str | None:
+    """The ``kind`` passed to ``pack_for_cpu`` (None: its own default) under :data:`CPU_KIND_ENV`."""
+    import os
+
+    choice = os.environ.get(CPU_KIND_ENV, "auto")
+    if choice == "exact":
+        return None
+    if choice == "auto":
+        return "fp16gemm" if "fp16gemm" in supported_kinds(spec, in_features) else None
+    return choice
 
 
 def quant_matmul(
@@ -177,8 +193,9 @@ class QuantLinear(nn.Module):
             return self._cpu_packed
         key = self._buffer_key()
         if self._cpu_packed is None or key != self._cpu_key:
+            kind = _cpu_kind(self.spec, self.in_features)
             self._cpu_packed = pack_for_cpu(
-                self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features
+                self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features, kind=kind
             )  # fmt: skip
             self._cpu_key = key
         return self._cpu_packed
