@@ -292,3 +292,23 @@ def test_compiled_cpu_decode_step_equals_eager(saved, monkeypatch, quant):
     compiled = getattr(model, GEN_ATTR).step.compiled
     assert compiled.compile_s and not compiled.failed, "the decode step did not run compiled"
     assert torch.equal(got, eager)
+
+
+# -- hf-dsinfer bench --quant --------------------------------------------------------------------------------------
+
+
+def test_bench_quant_contenders():
+    from hf_dsinfer.bench import BenchArgs, _quant_peers, run_bench
+
+    assert _quant_peers("int8, int4") == ("dsinfer-int8", "dsinfer-int4") and _quant_peers(None) == ()
+    with pytest.raises(SystemExit, match="--quant takes int8, int4"):
+        _quant_peers("int3")
+    args = BenchArgs(preset="tiny", batch_sizes=(1,), prompt_len=8, new_tokens=4, repeats=1,
+                     peers=("dsinfer", "dsinfer-int8", "dsinfer-int4"))  # fmt: skip
+    rows = {r["peer"]: r for r in run_bench(args)["rows"]}
+    for peer in args.peers:
+        assert rows[peer]["decode_tokens_per_s"] > 0, rows[peer]
+    assert rows["dsinfer-int8"]["name"] == "hf_dsinfer int8"
+    # bytes per decode step: the quantized contenders read fewer weight bytes (GB/s x ms/token)
+    step_bytes = {p: rows[p]["gbs"] * rows[p]["ms_per_token"] for p in args.peers}
+    assert step_bytes["dsinfer-int4"] < step_bytes["dsinfer-int8"] < step_bytes["dsinfer"]
