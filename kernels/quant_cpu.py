@@ -13,6 +13,8 @@ few ints; the tensors can be registered as non-persistent buffers and the object
   (prefill) the weight is dequantized once instead. The packed matrix is an opaque handle fbgemm owns: it cannot
   be cloned or moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again.
   Under ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
+* ``fp16gemm_rounded``: the same GEMM over ``(q - z) * s`` rounded to fp16 once (2^-11 relative per weight, so
+  ~1e-3 of the outputs: not exact) and no expansion; only on request. Per channel it is ``fp16gemm``.
 * ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
 * ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
   The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
@@ -54,9 +56,9 @@ __all__ = [
     "supported_kinds",
 ]
 
-KINDS = ("fp16gemm", "int8pack", "int4pack", "dequant")
+KINDS = ("fp16gemm", "fp16gemm_rounded", "int8pack", "int4pack", "dequant")
 #: fp16gemm with groups runs M * G rows through one GEMM up to this many (decode); more dequantizes once instead.
-FP16GEMM_MAX_EXPANDED_ROWS = 64
+FP16GEMM_MAX_EXPANDED_ROWS = 16
 _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 
 
@@ -73,7 +75,7 @@ class CpuPackedWeight:
 
     kind: str
     weight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None
     zeros: torch.Tensor | None
     spec: QuantSpec
     in_features: int
@@ -86,23 +88,26 @@ class CpuPackedWeight:
     def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
         import copy
 
-        if self.kind != "fp16gemm":
+        if not self.kind.startswith("fp16gemm"):
             fields = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)}
             return CpuPackedWeight(**fields)
         qweight, scales, zeros = copy.deepcopy(self.source, memo)  # fbgemm's handle cannot be copied: pack again
-        return pack_for_cpu(qweight, scales, zeros, self.spec, self.in_features, kind="fp16gemm")
+        return pack_for_cpu(qweight, scales, zeros, self.spec, self.in_features, kind=self.kind)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The tensors, to register as non-persistent buffers (``module.register_buffer(name, t, persistent=False)``)
         so ``.to()`` moves them; rebuild with :meth:`from_buffers` afterwards."""
-        out = {"scales": self.scales} if self.kind == "fp16gemm" else {"weight": self.weight, "scales": self.scales}
+        fbgemm = self.kind.startswith("fp16gemm")
+        out = {} if fbgemm else {"weight": self.weight}
+        if self.scales is not None:
+            out["scales"] = self.scales
         if self.zeros is not None:
             out["zeros"] = self.zeros
         return out
 
     def from_buffers(self, buffers: dict[str, torch.Tensor]) -> CpuPackedWeight:
         """This packing with its tensors replaced (same metadata), e.g. after the module moved its buffers."""
-        return dataclasses.replace(self, weight=buffers.get("weight", self.weight), scales=buffers["scales"],
+        return dataclasses.replace(self, weight=buffers.get("weight", self.weight), scales=buffers.get("scales"),
                                    zeros=buffers.get("zeros"))  # fmt: skip
 
 
@@ -150,7 +155,7 @@ def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
 def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
     """The kinds :func:`pack_for_cpu` can build for ``spec`` (``dequant`` always)."""
     spec = spec.for_features(in_features)
-    kinds = ["fp16gemm"] if fbgemm_available() else []
+    kinds = ["fp16gemm", "fp16gemm_rounded"] if fbgemm_available() else []
     if spec.num_bits == 8 and spec.symmetric and spec.n_groups(in_features) == 1:
         kinds.append("int8pack")
     if spec.num_bits == 4 and _int4_group(spec, in_features) is not None:
@@ -167,7 +172,7 @@ def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype =
     """
     kinds = supported_kinds(spec, in_features)
     if compute_dtype == torch.bfloat16:
-        return next(k for k in kinds if k != "fp16gemm")
+        return next(k for k in kinds if not k.startswith("fp16gemm"))
     return kinds[0]  # fp16gemm when fbgemm is there, else dequant
 
 
@@ -192,9 +197,9 @@ def pack_for_cpu(
         raise ValueError(f"kind={kind!r} cannot hold {spec} (in_features={in_features}); use one of "
                          f"{supported_kinds(spec, in_features)}")  # fmt: skip
     n, k = qweight.shape[0], in_features
-    if kind == "fp16gemm":
+    if kind.startswith("fp16gemm"):
         if compute_dtype != torch.float32:
-            raise ValueError("kind='fp16gemm' computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
+            raise ValueError(f"kind={kind!r} computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
         if spec.num_bits == 4:
             from .quant_format import unpack_int4
 
@@ -205,12 +210,15 @@ def pack_for_cpu(
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
             q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group on
-        # the block-expanded activations (see cpu_quant_matmul).
-        post = scales.float().reshape(n).contiguous() if groups == 1 else scales.float().t().contiguous()  # [N]/[G, N]
-        mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
+        if kind == "fp16gemm_rounded" and groups > 1:  # the dequantized weight rounded to fp16 once: not exact
+            q, post, mask = q * scales.float()[:, col_group], None, None
+        else:
+            # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group
+            # on the block-expanded activations (see cpu_quant_matmul).
+            post = scales.float().reshape(n).contiguous() if groups == 1 else scales.float().t().contiguous()
+            mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
         packed = torch.fbgemm_pack_gemm_matrix_fp16(q.contiguous())  # an opaque handle owned by fbgemm
-        return CpuPackedWeight("fp16gemm", packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
+        return CpuPackedWeight(kind, packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
                                source=(qweight, scales, zeros))  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
@@ -254,10 +262,12 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
         raise ValueError(f"x must be [..., in_features={packed.in_features}], got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features)  # [M, K]
-    if packed.kind == "fp16gemm":
+    if packed.kind.startswith("fp16gemm"):
         xf = x2.to(torch.float32).contiguous()
         m, n, groups = xf.shape[0], packed.out_features, packed.spec.n_groups(packed.in_features)
-        if groups == 1:
+        if packed.scales is None:  # fp16gemm_rounded with groups
+            y = _fp16_weight_linear(xf, packed.weight, n)
+        elif groups == 1:
             y = _fp16_weight_linear(xf, packed.weight, n) * packed.scales  # [M, N] times the row scales
         elif m * groups <= FP16GEMM_MAX_EXPANDED_ROWS:
             # Group g's partial sums are x masked to g's columns times the integer weight: G * M rows through one
@@ -266,10 +276,8 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
             ye = _fp16_weight_linear(xe, packed.weight, n).view(groups, m, n)  # [G, M, N]
             y = (ye * packed.scales[:, None, :]).sum(0)  # [M, N]: per-group scales, then the sum over groups
         else:  # many rows (prefill): dequantize once for all of them
-            from .quant_format import dequantize_weight
-
-            w = dequantize_weight(*packed.source, packed.spec, packed.in_features, dtype=torch.float32)
-            y = F.linear(xf, w)
+            return cpu_quant_matmul(x, pack_for_cpu(*packed.source, packed.spec, packed.in_features, kind="dequant"),
+                                    bias)  # fmt: skip
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
         q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]
