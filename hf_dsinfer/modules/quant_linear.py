@@ -217,6 +217,14 @@ class QuantLinear(nn.Module):
         """The float weight ``[N, K]`` these buffers stand for (default dtype: the scales')."""
         return dequantize_weight(self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features, dtype)
 
+    def cpu_pack_nbytes(self) -> int:
+        """Bytes held by the CPU pack (0: none); fbgemm's opaque fp16 matrix counts as 2 bytes per weight."""
+        p = self._cpu_packed
+        if p is None:
+            return 0
+        held = sum(t.numel() * t.element_size() for t in p.buffers().values())
+        return held + (2 * self.in_features * self.out_features if p.kind == "fp16gemm" else 0)
+
     def quantized_nbytes(self) -> int:
         """Bytes held by the quantized weight, its scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.weight, self.weight_scales, self.weight_zeros)
