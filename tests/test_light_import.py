@@ -134,3 +134,27 @@ def test_every_way_in_works_when_hf_dsinfer_is_imported_first(tmp_path):
         """,
         cwd=os.fspath(tmp_path),
     )
+
+
+def test_post_import_hook_runs_once_and_never_breaks_the_import(tmp_path, monkeypatch, caplog):
+    from hf_dsinfer.integration.post_import import when_imported
+
+    (tmp_path / "hf_dsinfer_probe_mod.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def failing(module):
+        raise RuntimeError("registration bug")
+
+    when_imported("hf_dsinfer_probe_mod", lambda m: seen.append(m.VALUE + 1))
+    when_imported("hf_dsinfer_probe_mod", failing)
+    assert not seen  # nothing yet: the module is not imported
+    import hf_dsinfer_probe_mod  # noqa: F401
+
+    assert seen == [42]  # ran right after the module body, once
+    assert "could not register with hf_dsinfer_probe_mod" in caplog.text  # the failing callback: a warning only
+    finders = [f for f in sys.meta_path if getattr(f, "_hf_dsinfer_post_import", False)]
+    assert all("hf_dsinfer_probe_mod" not in f.pending for f in finders)  # nothing left to watch for it
+    when_imported("hf_dsinfer_probe_mod", lambda m: seen.append(0))  # already imported: runs at once
+    assert seen == [42, 0]
+    sys.modules.pop("hf_dsinfer_probe_mod")
