@@ -7,14 +7,14 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 * ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.fbgemm_pack_gemm_matrix_fp16`` /
   ``torch.fbgemm_linear_fp16_weight_fp32_activation``, vectorized on AVX2; 2 bytes per weight). Per channel it
   holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
-  so it is exact like the reference. With groups the activations are block-expanded (row ``g * M + m`` is row
-  ``m`` masked to group ``g``'s columns), so one GEMM gives every group's partial sums, which are scaled and summed
-  in fp32: exact too, and the weight is still read once; past :data:`FP16GEMM_MAX_EXPANDED_ROWS` expanded rows
-  (prefill) the weight is dequantized once instead. The packed matrix is an opaque handle fbgemm owns: it cannot
-  be cloned or moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again.
-  Under ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
-* ``fp16gemm_rounded``: the same GEMM over ``(q - z) * s`` rounded to fp16 once (2^-11 relative per weight, so
-  ~1e-3 of the outputs: not exact) and no expansion; only on request. Per channel it is ``fp16gemm``.
+  so it is exact like the reference. With groups it holds ``(q - z) * s`` rounded to fp16 once (2^-11 relative per
+  weight, ~1e-3 of the outputs: not exact, hence not the default there). The packed matrix is an opaque handle
+  fbgemm owns: it cannot be cloned or moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep
+  copy packs again. Under ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
+* ``fp16gemm_exact``: with groups, the integers ``q - z`` and block-expanded activations (row ``g * M + m`` is row
+  ``m`` masked to group ``g``'s columns): one GEMM gives every group's partial sums, scaled and summed in fp32, so
+  it is exact and reads the weight once; up to :data:`FP16GEMM_MAX_EXPANDED_ROWS` expanded rows, beyond which it
+  dequantizes per call (slow: measured in docs/kernels.md). Per channel it is ``fp16gemm``.
 * ``int8pack``: ``torch._weight_int8pack_mm`` (int8 ``[N, K]``, one scale per row): int8, symmetric, per channel.
 * ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` over ``torch._convert_weight_to_int4pack_for_cpu``'s layout.
   The op computes ``(u - 8) * scale + zero`` per group; any affine ``(u - z) * s`` maps onto it with
@@ -28,7 +28,8 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 
 Exactness: the ops take their scales in the activation dtype and return that dtype, so with
 ``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
-result is the reference's ``x @ dequant(w).T`` up to fp32 summation order, then rounded once to ``x.dtype``. With
+result is the reference's ``x @ dequant(w).T`` up to fp32 summation order (``fp16gemm`` with groups aside), then
+rounded once to ``x.dtype``. With
 ``compute_dtype=torch.bfloat16`` the activations and the result are rounded to bf16 (2^-8 relative each): faster on
 CPUs whose torch kernels vectorize only bf16 (measured in docs/kernels.md), not exact.
 
@@ -56,8 +57,8 @@ __all__ = [
     "supported_kinds",
 ]
 
-KINDS = ("fp16gemm", "fp16gemm_rounded", "int8pack", "int4pack", "dequant")
-#: fp16gemm with groups runs M * G rows through one GEMM up to this many (decode); more dequantizes once instead.
+KINDS = ("fp16gemm", "fp16gemm_exact", "int8pack", "int4pack", "dequant")
+#: fp16gemm_exact with groups runs M * G rows through one GEMM up to this many (decode); more dequantize per call.
 FP16GEMM_MAX_EXPANDED_ROWS = 16
 _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 
@@ -155,7 +156,7 @@ def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
 def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
     """The kinds :func:`pack_for_cpu` can build for ``spec`` (``dequant`` always)."""
     spec = spec.for_features(in_features)
-    kinds = ["fp16gemm", "fp16gemm_rounded"] if fbgemm_available() else []
+    kinds = ["fp16gemm", "fp16gemm_exact"] if fbgemm_available() else []
     if spec.num_bits == 8 and spec.symmetric and spec.n_groups(in_features) == 1:
         kinds.append("int8pack")
     if spec.num_bits == 4 and _int4_group(spec, in_features) is not None:
@@ -166,14 +167,17 @@ def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
 def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype = torch.float32) -> str:
     """The kind :func:`pack_for_cpu` picks, from the measurements in docs/kernels.md.
 
-    fp32 compute: ``fp16gemm`` (exact; faster than fp32 ``F.linear`` on the AVX2 dev machine, see the table), else
-    ``dequant`` (exact, 0.2-1.0x). torch's int8/int4 weight kernels have no vectorized fp32 path there
-    (0.05-0.39x). bf16 compute: ``int8pack`` / ``int4pack`` where they apply (1.2-3.5x), else ``dequant``.
+    Every default is exact. fp32 compute: per channel ``fp16gemm`` (1.5-3.6x faster than fp32 ``F.linear`` on the
+    AVX2 dev machine), with groups ``dequant`` (0.2-1.2x; ``fp16gemm`` is the fast choice there but rounds weights to
+    fp16, ``fp16gemm_exact`` is exact and ~1.0-1.2x for a few decode rows only). torch's int8/int4 weight kernels
+    have no vectorized fp32 path there (0.04-0.43x). bf16 compute: ``int8pack`` / ``int4pack`` where they apply
+    (1.4-3.4x, activations and outputs rounded to bf16), else ``dequant``.
     """
     kinds = supported_kinds(spec, in_features)
     if compute_dtype == torch.bfloat16:
         return next(k for k in kinds if not k.startswith("fp16gemm"))
-    return kinds[0]  # fp16gemm when fbgemm is there, else dequant
+    per_channel = spec.for_features(in_features).n_groups(in_features) == 1
+    return "fp16gemm" if per_channel and "fp16gemm" in kinds else "dequant"
 
 
 def pack_for_cpu(
@@ -210,7 +214,7 @@ def pack_for_cpu(
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
             q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        if kind == "fp16gemm_rounded" and groups > 1:  # the dequantized weight rounded to fp16 once: not exact
+        if kind == "fp16gemm" and groups > 1:  # the dequantized weight rounded to fp16 once: not exact
             q, post, mask = q * scales.float()[:, col_group], None, None
         else:
             # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group
@@ -265,7 +269,7 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
     if packed.kind.startswith("fp16gemm"):
         xf = x2.to(torch.float32).contiguous()
         m, n, groups = xf.shape[0], packed.out_features, packed.spec.n_groups(packed.in_features)
-        if packed.scales is None:  # fp16gemm_rounded with groups
+        if packed.scales is None:  # fp16gemm with groups: the weight holds the scales
             y = _fp16_weight_linear(xf, packed.weight, n)
         elif groups == 1:
             y = _fp16_weight_linear(xf, packed.weight, n) * packed.scales  # [M, N] times the row scales
@@ -348,8 +352,10 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
             qs = [quantize_weight(w, spec, scale_dtype=torch.float32) for w in ws]
             for kind in supported_kinds(spec, k):
                 for cd in (torch.float32, torch.bfloat16):
-                    if kind in ("dequant", "fp16gemm") and cd == torch.bfloat16:
-                        continue
+                    if (kind == "dequant" or kind.startswith("fp16gemm")) and cd == torch.bfloat16:
+                        continue  # fp32 compute only
+                    if kind == "fp16gemm_exact" and spec.n_groups(k) == 1:
+                        continue  # per channel it is fp16gemm
                     name = f"{label} {kind} {'fp32' if cd == torch.float32 else 'bf16'}"
                     cands[name] = [("packed", pack_for_cpu(*q, spec, k, kind=kind, compute_dtype=cd)) for q in qs]
         del ws

@@ -31,7 +31,7 @@ pytestmark = [
 # 1e-2 of the result's scale.
 EXACT = dict(atol=1e-5, rtol=1e-5)
 BF16_COMPUTE = dict(atol=3e-2, rtol=2e-2)
-# fp16gemm_rounded with groups rounds each dequantized weight to fp16 (2^-11 relative): ~1e-3 of the O(1) outputs.
+# fp16gemm with groups rounds each dequantized weight to fp16 (2^-11 relative): ~1e-3 of the O(1) outputs.
 FP16_ROUNDED = dict(atol=3e-3, rtol=3e-3)
 
 
@@ -121,11 +121,12 @@ def test_cpu_kinds_match_reference(case):
     kinds = supported_kinds(spec, k)
     assert ("int8pack" in kinds) == (bits == 8 and sym and group is None)
     assert ("int4pack" in kinds) == (bits == 4 and (group is None or group % 32 == 0))
-    assert ("fp16gemm" in kinds) == ("fp16gemm_rounded" in kinds) == fbgemm_available() and "dequant" in kinds
-    assert default_kind(spec, k) == ("fp16gemm" if fbgemm_available() else "dequant")
+    assert ("fp16gemm" in kinds) == ("fp16gemm_exact" in kinds) == fbgemm_available() and "dequant" in kinds
+    per_channel = group is None or group >= k
+    assert default_kind(spec, k) == ("fp16gemm" if per_channel and fbgemm_available() else "dequant")
     for kind in kinds:
         exact = pack_for_cpu(q, s, z, spec, k, kind=kind)
-        rounded = kind == "fp16gemm_rounded" and group is not None and group < k
+        rounded = kind == "fp16gemm" and not per_channel
         torch.testing.assert_close(
             cpu_quant_matmul(x, exact, b), want, **(FP16_ROUNDED if rounded else EXACT), msg=kind
         )
@@ -174,8 +175,7 @@ def test_fp16gemm_groups_decode_and_prefill_rows():
     # Up to FP16GEMM_MAX_EXPANDED_ROWS rows x groups run block-expanded through one GEMM; more dequantize once.
     spec = QuantSpec(4, 32, False)
     q, s, z = quantize_weight(_weight(24, 100), spec)  # 4 groups, the last one ragged
-    packed = pack_for_cpu(q, s, z, spec, 100)
-    assert packed.kind == "fp16gemm"
+    packed = pack_for_cpu(q, s, z, spec, 100, kind="fp16gemm_exact")
     b = torch.randn(24)
     for m in (1, FP16GEMM_MAX_EXPANDED_ROWS // 4, FP16GEMM_MAX_EXPANDED_ROWS // 4 + 1, 40):
         x = torch.randn(m, 100)
@@ -200,12 +200,12 @@ def test_fp16gemm_deep_copy_packs_again():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fp16gemm", "int4pack", "dequant"])
+@pytest.mark.parametrize("kind", ["fp16gemm_exact", "int4pack", "dequant"])
 def test_cpu_quant_matmul_under_torch_compile(kind):
     # The CPU decode step is compiled (generation/compiled_cpu.py): the packed weight is a module attribute.
-    if kind == "fp16gemm" and not fbgemm_available():
+    if kind.startswith("fp16gemm") and not fbgemm_available():
         pytest.skip("this torch build has no fbgemm")
-    spec = QuantSpec(4, 32, False)  # fp16gemm: the block-expanded group path
+    spec = QuantSpec(4, 32, False)  # fp16gemm_exact: the block-expanded group path
     q, s, z = quantize_weight(_weight(32, 96), spec)
     packed = pack_for_cpu(q, s, z, spec, 96, kind=kind)
 
