@@ -32,15 +32,14 @@ class MLPSpec:
             raise ValueError(f"activation {self.activation!r} is not supported in a {kind} MLP; use one of {allowed}")
 
 
-def _plain_activation(x: torch.Tensor, name: str) -> torch.Tensor:
+def _plain_activation(x: torch.Tensor, name: str, inplace: bool = False) -> torch.Tensor:
     if name == "silu":
-        return F.silu(x)
+        return F.silu(x, inplace=inplace)
     if name == "relu":
-        return F.relu(x)
-    if name == "gelu":
-        return F.gelu(x)
+        return F.relu(x, inplace=inplace)
     # gelu_tanh and gelu_new are the same function (HF's NewGELU is the tanh approximation)
-    return F.gelu(x, approximate="tanh")
+    approximate = "none" if name == "gelu" else "tanh"
+    return torch.ops.aten.gelu_(x, approximate=approximate) if inplace else F.gelu(x, approximate=approximate)
 
 
 class FusedMLP(nn.Module):
@@ -60,7 +59,11 @@ class FusedMLP(nn.Module):
         if self.spec.gated:
             h = act_and_mul(h, self.spec.activation)  # [B, T, I]
         else:
-            h = _plain_activation(h, self.spec.activation)
+            # h is this call's own new buffer: activating it in place spares a second [B, T, I] one. On CPU a fresh
+            # buffer of several MB costs page faults: 8-12% of an all-MiniLM-L6-v2 forward at batch 64 (1 thread,
+            # docs/performance.md). Not under autograd, where the activation's backward needs its input.
+            inplace = not (torch.is_grad_enabled() and h.requires_grad)
+            h = _plain_activation(h, self.spec.activation, inplace)
         return self.down(h, defer_reduce)  # [B, T, C]
 
     def extra_repr(self) -> str:
