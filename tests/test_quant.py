@@ -90,6 +90,14 @@ def test_config_deepspeed_names_and_int8_dtype():
     assert again == cfg and again.quant_settings == s
 
 
+def test_int8_activations_half_on_gpu_fp32_on_cpu():
+    cfg = InferenceConfig(dtype="int8")
+    assert cfg.resolve_dtype(torch.float32, "cpu") == torch.float32
+    assert InferenceConfig(dtype="int8").resolve_dtype(torch.float16, "cpu") == torch.float32
+    assert InferenceConfig(dtype="int8").resolve_dtype(torch.float32, "cuda") in (torch.bfloat16, torch.float16)
+    assert InferenceConfig().resolve_dtype(torch.float32, "cuda") == torch.float32  # unquantized: unchanged
+
+
 @pytest.mark.parametrize(
     "quant, match",
     [

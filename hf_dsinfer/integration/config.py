@@ -435,11 +435,18 @@ class InferenceConfig(QuantizationConfigMixin):
         """The torch dtype a model whose weights are ``source`` runs in on ``device``, remembered on this config.
 
         An explicit ``dtype`` wins; ``"auto"`` follows :func:`auto_dtype` (``device=None``: keep ``source`` as is,
-        for a dtype the user chose explicitly elsewhere, e.g. ``from_pretrained(..., dtype=...)``).
+        for a dtype the user chose explicitly elsewhere, e.g. ``from_pretrained(..., dtype=...)``). With weight-only
+        quantization (``quant``, ``dtype="int8"``) on a GPU, fp32 becomes bf16 (fp16 without bf16): the quantized
+        GEMMs take half-precision activations (DeepSpeed's int8 inference runs fp16 activations).
         """
         if self.dtype != AUTO:
             return getattr(torch, self.dtype)
-        self._resolved_dtype = auto_dtype(source, device)
+        dtype = auto_dtype(source, device)
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        if on_gpu and self.quant is not None and dtype == torch.float32:
+            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            dtype = torch.bfloat16 if bf16 else torch.float16
+        self._resolved_dtype = dtype
         return self._resolved_dtype
 
     @property
