@@ -320,3 +320,19 @@ def test_bench_quant_contenders():
     # bytes per decode step: the quantized contenders read fewer weight bytes (GB/s x ms/token)
     step_bytes = {p: rows[p]["gbs"] * rows[p]["ms_per_token"] for p in args.peers}
     assert step_bytes["dsinfer-int4"] < step_bytes["dsinfer-int8"] < step_bytes["dsinfer"]
+
+
+@torch.no_grad()
+def test_lm_head_quantized_on_request(saved, tmp_path):
+    path = saved("llama")  # untied head
+    quant = {"enabled": True, "weight": {"num_bits": 8, "lm_head": True}}
+    model = _load(path, quant)
+    assert isinstance(model.lm_head, QuantLinear) and not isinstance(model.model.embed_tokens, QuantLinear)
+    ids, mask, real = _batch()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got = model(input_ids=ids, attention_mask=mask).logits
+    assert _rel_err(got, ref(input_ids=ids, attention_mask=mask).logits, real) <= INT8_BOUND
+    model.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.lm_head, QuantLinear)
+    assert torch.equal(again(input_ids=ids, attention_mask=mask).logits[real], got[real])
