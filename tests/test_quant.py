@@ -336,3 +336,22 @@ def test_lm_head_quantized_on_request(saved, tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(again.lm_head, QuantLinear)
     assert torch.equal(again(input_ids=ids, attention_mask=mask).logits[real], got[real])
+
+
+@torch.no_grad()
+def test_cpu_pack_follows_buffer_changes():
+    """The CPU pack is rebuilt when the buffers are written in place or replaced, so it never serves stale weights."""
+    from hf_dsinfer.kernels.quant_format import QuantSpec
+
+    torch.manual_seed(0)
+    lin = QuantLinear.from_float(torch.randn(40, 72), QuantSpec(8, 72), bias=torch.randn(40))
+    x = torch.randn(3, 72)
+    before = lin(x)
+    first = lin.cpu_packed()
+    assert first is not None and lin.cpu_packed() is first  # built once
+    lin.weight_scales.mul_(2.0)  # in place: same storage, new version
+    want = (x @ lin.dequantized_weight(torch.float32).t()) + lin.bias
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lin(x), before)
+    lin.weight = torch.zeros_like(lin.weight)  # replaced
+    torch.testing.assert_close(lin(x), lin.bias.expand(3, 40), rtol=0, atol=0)
