@@ -312,12 +312,9 @@ def is_quantized_weight(layer: nn.Module, name: str) -> bool:
 
 
 def _row_wise(source: object) -> bool:
-    """Whether a policy source only shares or row-concatenates (``Param`` / ``Cat`` of ``Param``): the operations
-    that commute with row-wise quantization. Checked by class name (policies sit above this layer)."""
-    kind = type(source).__name__
-    if kind == "Param":
-        return True
-    return kind == "Cat" and all(type(p).__name__ == "Param" for p in source.parts)
+    """Whether a policy source only moves whole rows (``Source.moves_rows_only``: sharing, row concatenation, row
+    regrouping), the operations that commute with row-wise quantization."""
+    return bool(getattr(source, "moves_rows_only", False))
 
 
 def pack_quantized(source: object, layer: nn.Module) -> QuantLinear | None:
@@ -336,7 +333,7 @@ def pack_quantized(source: object, layer: nn.Module) -> QuantLinear | None:
     if not all(quant) or not _row_wise(source):
         raise ValueError(
             f"cannot pack {names} into one fused quantized linear: some are quantized and some are not, or the policy "
-            "transforms them (only sharing and row concatenation keep the quantized format). Load without `quant`."
+            "transforms them beyond moving whole rows (e.g. transposes). Load without `quant`."
         )
     first = parts[0]
     if any(p.spec != first.spec or p.in_features != first.in_features for p in parts):

@@ -36,6 +36,10 @@ GetParam = Callable[[str], torch.Tensor]
 class Source(ABC):
     """Where one fused tensor comes from in an HF layer (names are relative to the layer), and the way back."""
 
+    #: True when :meth:`pack` / :meth:`unpack` only select, reorder or concatenate whole rows (dim 0): they then apply
+    #: as they are to row-wise quantized tensors (integer weights, scales, zeros; ``modules/quant_linear.py``).
+    moves_rows_only: ClassVar[bool] = False
+
     @abstractmethod
     def names(self) -> tuple[str, ...]:
         """The HF parameter names this source reads."""
@@ -64,6 +68,8 @@ class Source(ABC):
 
 class Param(Source):
     """One HF parameter used as is: the fused layer adopts the very same ``nn.Parameter`` (no copy)."""
+
+    moves_rows_only = True
 
     def __init__(self, name: str):
         self.name = name
@@ -124,6 +130,10 @@ class Cat(Source):
 
     def names(self) -> tuple[str, ...]:
         return tuple(n for p in self.parts for n in p.names())
+
+    @property
+    def moves_rows_only(self) -> bool:  # type: ignore[override]
+        return all(p.moves_rows_only for p in self.parts)
 
     def pack(self, get: GetParam) -> torch.Tensor:
         tensors = [p.pack(get).detach() for p in self.parts]

@@ -25,6 +25,8 @@ class GroupedQKV(Source):
     Query head ``g`` of group ``j`` becomes fused head ``j * G + g``, which keeps GQA's "q head h uses kv head h // G".
     """
 
+    moves_rows_only = True  # a row permutation: quantized weights, scales and zeros regroup alike
+
     def __init__(self, name: str, num_kv_heads: int, q_per_kv: int, head_dim: int):
         self.name = name
         self.groups, self.q_per_kv, self.head_dim = num_kv_heads, q_per_kv, head_dim
