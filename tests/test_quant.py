@@ -382,3 +382,12 @@ def test_int8_every_decoder_family(saved, name, tmp_path):
         model.save_pretrained(tmp_path)
         again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
         assert torch.equal(again(input_ids=ids, attention_mask=mask).logits[real], got[real])
+
+
+def test_tensor_parallel_load_of_a_quantized_checkpoint_is_refused(saved, tmp_path):
+    _load(saved("llama"), INT8).save_pretrained(tmp_path)
+    cfg = {"tensor_parallel": {"tp_size": 1}, "checkpoint": None}
+    from hf_dsinfer.integration import hooks
+
+    with pytest.raises(ValueError, match="saved with quantized weights; tensor-parallel loading reads float"):
+        hooks._load_tensor_parallel(transformers.LlamaForCausalLM, (str(tmp_path),), InferenceConfig(**cfg), {})

@@ -132,7 +132,7 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
 
     from .. import parallel
     from .apply import apply_inference_config, check_supported, local_device
-    from .quant_config import quantize_slices
+    from .quant_config import parse_quant, quantize_slices
 
     check_supported(cfg)
     if not args:
@@ -158,6 +158,14 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
         path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
     if config is None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    saved = getattr(config, "quantization_config", None)
+    saved = saved.to_dict() if hasattr(saved, "to_dict") else saved
+    if isinstance(saved, dict) and saved.get("quant_method") == QUANT_METHOD and parse_quant(saved.get("quant")):
+        raise ValueError(
+            f"{path} was saved with quantized weights; tensor-parallel loading reads float checkpoints (each rank "
+            "quantizes its own slices). Load the original float checkpoint with `quant` and tensor_parallel, or load "
+            "this one with tp_size=1."
+        )
     desc = parallel.read_description(cfg.checkpoint, cfg.base_dir) if cfg.checkpoint is not None else None
     device = torch.device("cpu") if cfg.keep_module_on_host else local_device()
     if cfg.dtype == AUTO and cfg._resolved_dtype is None:
