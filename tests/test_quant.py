@@ -267,16 +267,43 @@ def test_reload_without_hf_dsinfer_fails_loudly(saved, tmp_path):
 # -- Hybrid Engine -----------------------------------------------------------------------------------------------
 
 
-def test_hybrid_engine_refuses_quantized_weights(saved):
-    path = saved("llama")
-    quantized = _load(path, INT8)
+def test_hybrid_engine_refuses_quantized_training_weights(saved):
+    quantized = _load(saved("llama"), INT8)
     with pytest.raises(ValueError, match="training model is quantized"):
         hf_dsinfer.HybridEngine(quantized, inference_config={"dtype": "fp32"})
-    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with pytest.raises(ValueError, match="quantized inference copy.*not supported yet"):
-        hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "fp32", "quant": INT8})
-    with pytest.raises(ValueError, match="quantized inference copy.*not supported yet"):
-        hf_dsinfer.HybridEngine(plain, inference_config={"dtype": "int8"})
+
+
+@pytest.mark.parametrize("quant", [INT8, INT4_ASYM], ids=["int8", "int4-asym-g32"])
+@torch.no_grad()
+def test_hybrid_engine_quantized_inference_copy(saved, quant, exact_cpu_kind):
+    """QLoRA-style rollouts: a float training model, an int8/int4 inference copy refreshed in place from it. The
+    copy computes what a model loaded quantized from the same weights computes, before and after an update."""
+    path = saved("llama")
+    ids, mask, real = _batch()
+    train = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    he = hf_dsinfer.HybridEngine(train, inference_config={"dtype": "fp32", "quant": quant})
+    qkv = he.module.model.layers[0].attn.qkv
+    assert isinstance(qkv, QuantLinear)
+    address = qkv.weight.data_ptr()
+
+    def expected(model):
+        copy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        copy.load_state_dict(model.state_dict())
+        return hf_dsinfer.init_inference(copy, dtype="fp32", quant=quant).module(input_ids=ids, attention_mask=mask)
+
+    he.eval()
+    got = he.module(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], expected(train).logits[real], rtol=1e-5, atol=1e-6)
+    he.train()
+    for p in train.parameters():  # a training step's worth of change
+        p.add_(torch.randn_like(p) * 0.01)
+    he.eval()
+    after = he.module(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(after[real], got[real])
+    torch.testing.assert_close(after[real], expected(train).logits[real], rtol=1e-5, atol=1e-6)
+    assert qkv.weight.data_ptr() == address  # refreshed in place (captured graphs stay valid)
+    out = he.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 4)
 
 
 # -- compiled CPU decode step ------------------------------------------------------------------------------------

@@ -121,11 +121,13 @@ class HybridEngine:
         self.tp = make_inference_tp(self.config, self.settings is not None) if self.enabled else None
         if self.config.checkpoint is not None:
             raise ValueError("HybridEngine takes its weights from the training model; remove `checkpoint`.")
-        if self.config.quant is not None:
+        # quant (dtype="int8" too): a weight-only quantized inference copy of the float training model (QLoRA-style
+        # rollouts); each refresh quantizes the fresh training weights into the copy's buffers in place.
+        self._quant = self.config.quant_settings
+        if self._quant is not None and (self.tp is not None or not self.config.injects):
             raise ValueError(
-                "the Hybrid Engine's inference config sets `quant` (dtype='int8' too): a weight-only quantized "
-                "inference copy of the training model (QLoRA-style rollouts) is not supported yet; remove `quant` "
-                "(the copy then runs in the inference dtype, e.g. bf16)."
+                "the Hybrid Engine's inference config sets `quant`: a quantized inference copy needs kernel injection "
+                "and one inference rank (no inference_tp_size > 1); remove `quant` or those settings."
             )
         self.device = torch.device(device) if device is not None else _local_device(first)
         self.release_inference_cache = bool(release_inference_cache)
@@ -190,6 +192,16 @@ class HybridEngine:
 
             # no policy: one warning, the copy keeps HF's modules (split by AutoTP under TP; still correct)
             infer = inject(infer, self.config, tp_layout(infer))
+        if self._quant is not None:
+            record = get_injection(infer)
+            if record is None:
+                raise ValueError(
+                    f"the Hybrid Engine's inference config sets `quant` but {type(hf).__name__} has no fused layers "
+                    "(no kernel-injection policy); a quantized inference copy needs them. Remove `quant`."
+                )
+            from ..integration.quant_config import quantize_fused_layers_
+
+            quantize_fused_layers_(record.runtime.layers, self._quant)  # values come with the first refresh
         # hf_dsinfer's decoding loop (and, with enable_cuda_graph on CUDA, the per-bucket decode graphs), exactly as
         # on a model loaded with an inference config. The graphs read the parameters refreshed in place below.
         from ..generation import install_generate
@@ -272,9 +284,13 @@ class HybridEngine:
                 for i, wmap in enumerate(record.weight_maps):
                     prefix = f"{record.layers_prefix}.{i}."
                     with w.gathered(train_layers[i]):
-                        record.policy.pack_into(
-                            infer, i, record.runtime.layers[i], lambda n, p=prefix: self._read(p + n), wmap
-                        )
+                        get = lambda n, p=prefix: self._read(p + n)  # noqa: E731
+                        if self._quant is not None:  # quantized copy: quantize into the existing buffers
+                            from ..integration.quant_config import refresh_fused_quantized
+
+                            refresh_fused_quantized(record.runtime.layers[i], wmap, get)
+                        else:
+                            record.policy.pack_into(infer, i, record.runtime.layers[i], get, wmap)
             for name, param in self._plain:
                 with w.gathered(w.module(name.rpartition(".")[0])):
                     value = self._read(name)

@@ -393,3 +393,60 @@ def quantize_slices(settings: QuantSettings) -> Any:
         return on_loaded
 
     return bind
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A quantized inference copy refreshed from float training weights (the Hybrid Engine's QLoRA-style rollouts)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_FUSED_LINEARS = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")
+
+
+def quantize_fused_layers_(layers: nn.ModuleList, settings: QuantSettings) -> int:
+    """Replace the float linears of fused decoder layers (``attn.qkv``/``attn.o``/``mlp.up``/``mlp.down``) by
+    :class:`QuantLinear` modules of the same shapes, freeing the float weights; their values are (re)written by
+    :func:`refresh_fused_quantized`. MoE expert blocks stay float. Returns the number replaced."""
+    from ..modules.linear import Linear
+    from ..modules.quant_linear import QuantLinear
+
+    count = 0
+    for layer in layers:
+        for path in _FUSED_LINEARS:
+            parent_name, _, child = path.rpartition(".")
+            parent = getattr(layer, parent_name, None)
+            module = getattr(parent, child, None)
+            if not isinstance(module, Linear):
+                continue
+            w = module.weight  # [N, K]
+            q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, module.reduce)
+            setattr(parent, child, q)
+            module.weight = None
+            count += 1
+    return count
+
+
+def refresh_fused_quantized(layer: nn.Module, weight_map: dict[str, Any], get: Any) -> None:
+    """Write fresh values into one fused layer in place: quantized linears get their packed float weight (one
+    temporary tensor) quantized into their existing buffers, everything else is packed as usual (``pack_into``).
+
+    Buffers keep their storage (captured CUDA graphs stay valid); the in-place writes bump their versions, so CPU
+    packs are rebuilt on the next call.
+    """
+    from hf_dsinfer.kernels.quant_format import quantize_weight
+
+    from ..modules.quant_linear import QuantLinear
+    from ..policies.base import as_source
+
+    for fused_name, src in weight_map.items():
+        src = as_source(src)
+        owner, _, attr = fused_name.rpartition(".")
+        module = layer.get_submodule(owner) if owner else layer
+        if isinstance(module, QuantLinear) and attr == "weight":
+            w = src.pack(get).detach()  # [N, K] float, this layer's only temporary
+            q, s, z = quantize_weight(w, module.spec, module.weight_scales.dtype)
+            module.weight.copy_(q)
+            module.weight_scales.copy_(s)
+            if z is not None:
+                module.weight_zeros.copy_(z)
+        else:
+            src.pack_into(get, layer.get_parameter(fused_name).data)
