@@ -237,14 +237,14 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
         # group size no power-of-two K tile divides (per-element scales).
         specs = (("int8", qf.QuantSpec(8, 4096, True)), ("int4 g128", qf.QuantSpec(4, 128, True)),
                  ("int4 g128 asym", qf.QuantSpec(4, 128, False)), ("int8 g40", qf.QuantSpec(8, 40, True)))  # fmt: skip
-        for pname, n, k in (("gate_up", 2 * 14336, 4096), ("down", 4096, 14336), ("o", 4096, 4096)):
+        for pname, n_out, k in (("gate_up", 2 * 14336, 4096), ("down", 4096, 14336), ("o", 4096, 4096)):
             for sname, spec in specs:
                 for tname, m in (("decode B1", 1), ("decode B16", 16), ("prefill T2048", 2048)):
                     dnames = ("bf16", "fp16") if pname == "gate_up" and sname == "int4 g128" else ("bf16",)
                     if pname != "gate_up" and (sname != "int4 g128" or m == 2048):
                         continue  # the other projections: int4 decode only (split-K counts differ with N and K)
                     for dn in dnames:
-                        def quant(n=n, k=k, spec=spec, m=m, dt=dts[dn]):
+                        def quant(n=n_out, k=k, spec=spec, m=m, dt=dts[dn]):
                             sp = spec.for_features(k)
                             wdt = torch.int8 if sp.num_bits == 8 else torch.uint8
                             g = sp.n_groups(k)
@@ -252,7 +252,7 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
                                                    E(n, g, dtype=dt), None if sp.symmetric else E(n, g, dtype=dt),
                                                    sp, k, E(n, dtype=dt))  # fmt: skip
 
-                        out.append((f"quant_gemm {sname} {pname} [{n},{k}] {dn} {tname}", dn, quant))
+                        out.append((f"quant_gemm {sname} {pname} [{n_out},{k}] {dn} {tname}", dn, quant))
         out.append(("quant_gemm int8 gate_up fp32 decode B1", "fp32",
                     lambda: qg.quant_matmul_triton(E(1, 4096, dtype=torch.float32), E(8192, 4096, dtype=torch.int8),
                                                    E(8192, 1, dtype=torch.float32), None, qf.QuantSpec(8, 4096),
