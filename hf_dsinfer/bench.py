@@ -491,15 +491,7 @@ def bench_main(ns: argparse.Namespace) -> dict:
         return _hybrid_main(args, ns.out)
     report = run_bench(args)
     report["settings"]["threads"] = torch.get_num_threads()
-    table = markdown_table(report)
-    os.makedirs(ns.out, exist_ok=True)
-    stem = os.path.join(ns.out, f"bench-{args.preset}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(table)
-    print(table)
-    print(f"wrote {stem}.json and {stem}.md")
+    write_report(report, markdown_table(report), ns.out, f"bench-{args.preset}")
     for row in noisy_rows(report):
         logger.warning(
             "bench: %s at batch %d varied %.2fx (max/min decode tokens/s over %d runs; above %.1fx the comparison is "
@@ -528,12 +520,17 @@ def _hybrid_main(args: BenchArgs, out: str) -> dict:
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows}
+    write_report(report, table, out, f"bench-hybrid-{args.preset}")
+    return report
+
+
+def write_report(report: dict[str, Any], table: str, out: str, name: str) -> None:
+    """Write ``<out>/<name>.json`` (the report) and ``<out>/<name>.md`` (its markdown table), and print the table."""
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"bench-hybrid-{args.preset}")
+    stem = os.path.join(out, name)
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, default=str)
     with open(stem + ".md", "w", encoding="utf-8") as f:
         f.write(table)
     print(table)
     print(f"wrote {stem}.json and {stem}.md")
-    return report

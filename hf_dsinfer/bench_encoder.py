@@ -14,8 +14,6 @@ max abs difference of the pooled embeddings from HF eager's (exactness).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import time
@@ -24,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .bench import NOISY_SPREAD
+from .bench import NOISY_SPREAD, write_report
 from .log import logger
 
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf_dsinfer")
@@ -261,15 +259,7 @@ def encoder_bench_main(ns: argparse.Namespace) -> dict:
         torch.set_num_threads(ns.threads)
     path = ns.model or default_model_path()
     report = run_encoder_bench(path, batch_size=batch_sizes[0], repeats=ns.repeats)
-    table = markdown_table(report)
-    os.makedirs(ns.out, exist_ok=True)
-    stem = os.path.join(ns.out, "bench-encoder")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(table)
-    print(table)
-    print(f"wrote {stem}.json and {stem}.md")
+    write_report(report, markdown_table(report), ns.out, "bench-encoder")
     for row in report["rows"]:
         if row["max"] / row["min"] > NOISY_SPREAD:
             logger.warning(

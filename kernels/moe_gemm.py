@@ -18,6 +18,7 @@ from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .norms import cast_rne, needs_bf16_fix
+from .prefill_attention import _dot
 
 __all__ = ["moe_block_map", "moe_gemm", "moe_gemm_torch", "moe_gemm_triton", "moe_num_blocks", "moe_sort"]
 
@@ -58,17 +59,6 @@ def moe_block_map(counts: torch.Tensor, num_blocks: int, block_m: int) -> tuple[
     e = expert.clamp(max=num_experts - 1)
     block_row = row_begin[e] + (b - (block_end[e] - blocks[e])) * block_m
     return expert.to(torch.int32), block_row.to(torch.int32)
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr, UPCAST: tl.constexpr):
-    # fp32 inputs must not silently drop to tf32; bf16 dots are wrong under the interpreter, so upcast there.
-    if FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    elif UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import tl, triton
 from .backend import interpreter_enabled, use_triton
 from .norms import cast_rne, needs_bf16_fix
+from .prefill_attention import _dot
 from .quant_format import QuantSpec, quant_matmul_reference
 
 if TYPE_CHECKING:
@@ -38,17 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["DECODE_MAX_ROWS", "check_quant_args", "quant_matmul", "quant_matmul_triton", "quant_tiles"]
 
 DECODE_MAX_ROWS = 16  # up to this many rows take the decode (split-K) launch
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr, UPCAST: tl.constexpr):
-    # fp32 must not silently drop to tf32; bf16 dots are wrong under Triton's interpreter, so upcast there.
-    if FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    elif UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
