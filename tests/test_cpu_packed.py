@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from tiny_models import PAD, build_tiny, left_pad, prompts, save_tiny
+from tiny_models import PAD, build_tiny, left_pad, prompts, randomize_lora, save_tiny
 
 from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.modules import Linear, cpu_packed
@@ -171,11 +171,7 @@ def test_hybrid_engine_refresh_repacks(pack_all):
     from hf_dsinfer.hybrid import HybridEngine
 
     model = get_peft_model(build_tiny("llama", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    randomize_lora(model, seed=3)
     ids, mask = left_pad(prompts((5, 9, 3, 7)))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_models import PAD, build_tiny, left_pad, prompts
+from tiny_models import PAD, build_tiny, left_pad, prompts, randomize_lora
 
 import hf_dsinfer
 from hf_dsinfer.hybrid import HybridEngine, UnsupportedAdapterError
@@ -21,21 +21,10 @@ NEW = 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _randomize_lora(model: torch.nn.Module, seed: int = 1, scale: float = 0.2) -> None:
-    """peft initializes B to zero (delta 0): give every adapter factor a real value so fusion is exercised."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "lora_embedding_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-            elif "modules_to_save" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
 def lora_model(arch: str = "llama", config: dict | None = None, **lora: object) -> torch.nn.Module:
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": "all-linear", **lora}
     model = get_peft_model(build_tiny(arch, seed=0, **(config or {})), LoraConfig(**lora))
-    _randomize_lora(model)
+    randomize_lora(model)
     return model
 
 
@@ -55,7 +44,7 @@ def _two_adapters() -> torch.nn.Module:
     model = lora_model(use_rslora=True)
     model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
     model.base_model.set_adapter(["default", "second"])  # both active: deltas add up, as in peft's forward
-    _randomize_lora(model, seed=2)
+    randomize_lora(model, seed=2)
     return model
 
 

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from test_parallel import launch  # noqa: E402 - the gloo launcher, run on this file's worker
-from tiny_models import PAD, build_tiny, left_pad, prompts  # noqa: E402
+from tiny_models import PAD, build_tiny, left_pad, prompts, randomize_lora  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -58,11 +58,7 @@ def _lora(model):
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    randomize_lora(peft_model, seed=1)
     return peft_model
 
 

@@ -235,3 +235,14 @@ def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     return ids, mask
+
+
+def randomize_lora(model: torch.nn.Module, seed: int = 1, scale: float = 0.2) -> None:
+    """peft initializes B to zero (delta 0): give every adapter factor a real value so fusion is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
