@@ -17,6 +17,7 @@ from transformers import pipeline
 
 import hf_dsinfer  # noqa: F401  (registers inference_config)
 from hf_dsinfer.policies import hf_state_dict, inject, is_injected
+from hf_dsinfer.policies.bert import UNPAD_ENV
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 
@@ -32,7 +33,7 @@ def minilm_dir():
 
 
 @torch.no_grad()
-def test_real_bert_feature_extraction_on_fused_layers(minilm_dir):
+def test_real_bert_feature_extraction_on_fused_layers(minilm_dir, monkeypatch):
     sentences = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply."]
     plain = pipeline("feature-extraction", model=minilm_dir, model_kwargs={"dtype": torch.float32})
     config = {"dtype": "fp32", "replace_with_kernel_inject": True}
@@ -44,13 +45,19 @@ def test_real_bert_feature_extraction_on_fused_layers(minilm_dir):
         torch.testing.assert_close(got, torch.tensor(plain(s))[0], **FP32)
         emb.append(torch.nn.functional.normalize(got.mean(0), dim=0))
     assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2  # still a real model: the paraphrase is closer
-    # A right-padded batch through the tokenizer (BERT pads on the right), against HF on every position.
+    # A right-padded batch through the tokenizer (BERT pads on the right): against HF on every real position; the
+    # layers skip the padding, whose positions come out as zeros.
     batch = fast.tokenizer(sentences, return_tensors="pt", padding=True)
-    assert fast.tokenizer.padding_side == "right" and not bool(batch["attention_mask"].all())
+    real = batch["attention_mask"].bool()
+    assert fast.tokenizer.padding_side == "right" and not bool(real.all())
     ref = plain.model(**batch)
     got = fast.model(**batch)
-    torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, **FP32)
+    torch.testing.assert_close(got.last_hidden_state[real], ref.last_hidden_state[real], **FP32)
+    assert not got.last_hidden_state[~real].any()
     torch.testing.assert_close(got.pooler_output, ref.pooler_output, **FP32)
+    # HF_DSINFER_ENCODER_UNPAD=0: padding positions are computed too, as HF does
+    monkeypatch.setenv(UNPAD_ENV, "0")
+    torch.testing.assert_close(fast.model(**batch).last_hidden_state, ref.last_hidden_state, **FP32)
 
 
 HEADS = [
@@ -74,8 +81,38 @@ def test_heads_run_on_fused_layers(head):
     types[:, 3:] = 1
     want = reference(input_ids=ids, attention_mask=mask, token_type_ids=types)
     got = fused(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    real = mask.bool()
     for key, value in want.items():
-        torch.testing.assert_close(got[key], value, **FP32, msg=lambda m, k=key: f"{head}.{k}: {m}")
+        per_token = value.shape[:2] == ids.shape  # [B, T, ...]: padding positions are not computed (zeros in)
+        torch.testing.assert_close(got[key][real] if per_token else got[key], value[real] if per_token else value,
+                                   **FP32, msg=lambda m, k=key: f"{head}.{k}: {m}")  # fmt: skip
+
+
+@torch.no_grad()
+def test_padding_is_skipped_only_where_it_pays(monkeypatch):
+    """Layers on the real tokens only (packed) equal the padded layers at every real position, with zeros at padding;
+    a batch with little padding (under 1/16 of its tokens) and HF_DSINFER_ENCODER_UNPAD=0 compute padding as HF."""
+    torch.manual_seed(0)
+    reference = transformers.BertModel(tiny_config("bert")).eval()
+    fused = inject(copy.deepcopy(reference), Cfg())
+    g = torch.Generator().manual_seed(0)
+    for lens in ((5, 9, 3, 1), (16, 16, 15)):  # 17 of 36 tokens padding; 1 of 48
+        width = max(lens)
+        ids = torch.randint(3, 400, (len(lens), width), generator=g)
+        mask = (torch.arange(width)[None] < torch.tensor(lens)[:, None]).long()
+        real = mask.bool()
+        want = reference(input_ids=ids, attention_mask=mask)
+        got = fused(input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **FP32)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, **FP32)
+        if lens[0] == 16:  # little padding: computed like HF
+            torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **FP32)
+        else:
+            assert not got.last_hidden_state[~real].any()
+            monkeypatch.setenv(UNPAD_ENV, "0")
+            torch.testing.assert_close(fused(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                       want.last_hidden_state, **FP32)  # fmt: skip
+            monkeypatch.delenv(UNPAD_ENV)
 
 
 @torch.no_grad()

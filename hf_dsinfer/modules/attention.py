@@ -58,6 +58,13 @@ class AttentionSpec:
             raise ValueError("qk_norm_split is for a full-width q/k norm: set qk_norm and qk_norm_full_width too")
 
 
+def unpack_rows(packed: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """``packed [N, ...]`` real tokens -> ``[B, T, ...]`` right-padded rows (``ctx.padded_shape``), zeros at padding."""
+    B, T = ctx.padded_shape
+    rows = packed.new_zeros((B * T, *packed.shape[1:]))
+    return rows.index_copy_(0, ctx.token_index, packed).view(B, T, *packed.shape[1:])
+
+
 @dataclass
 class StepContext:
     """What every layer of one forward step shares (built once per step by the model-level forward).
@@ -66,6 +73,8 @@ class StepContext:
     tokens cached per row before this step. ``seq_lens [B]``: lengths after a single-token step (decode only).
     ``positions [B*T]``: rotary position of each token. ``rotary``: the model's table (None without rotary).
     ``key_lens [B]``: encoders only (non-causal attention, ``cache`` None): real tokens per right-padded row.
+    ``token_index [N]`` with ``padded_shape (B, T)``: encoders run on the real tokens only (``[1, N, C]`` packed from
+    the right-padded ``[B, T]`` grid); attention scatters them back to rows (see :func:`unpack_rows`).
     """
 
     cache: StaticKVCache | None
@@ -81,6 +90,8 @@ class StepContext:
     # Compiled CPU decode (generation/decode.py): attend the first ``attend_len`` slots, a bound the host knows
     # without reading ``seq_lens``, and store/attend with no host sync so one compiled graph serves every step.
     attend_len: int | None = None
+    token_index: torch.Tensor | None = None
+    padded_shape: tuple[int, int] | None = None
 
     @property
     def decode(self) -> bool:
@@ -178,8 +189,14 @@ class FusedAttention(nn.Module):
         if not s.causal:
             if ctx.key_lens is None:
                 raise RuntimeError("non-causal attention needs StepContext.key_lens (real tokens per row)")
-            out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
-            return self.o(out.reshape(B, T, Hq * D), defer_reduce)
+            if ctx.token_index is None:
+                out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
+                return self.o(out.reshape(B, T, Hq * D), defer_reduce)
+            # packed real tokens [1, N, ...]: back to right-padded rows for attention, then packed again
+            q, k, v = unpack_rows(qkv[0], ctx).split((Hq, Hk, Hk), dim=2)  # [B', T', H, D] each, zero padding
+            out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B', T', Hq, D]
+            out = out.reshape(-1, Hq * D).index_select(0, ctx.token_index)  # [N, Hq * D]
+            return self.o(out.view(B, T, Hq * D), defer_reduce)
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
         if ctx.attend_len is not None:
             out = _sync_free_decode(

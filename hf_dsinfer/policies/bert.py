@@ -7,8 +7,9 @@ task head stay HF's too. The fused forward replaces ``BertModel.forward`` only, 
 
 Encoders keep no KV cache: attention is :func:`~hf_dsinfer.kernels.encoder_attention` over the whole sequence.
 Padding must be on the right (BERT tokenizers' default): each row's real tokens are ``[0, lens[b])``; a mask with
-holes or left padding raises a ``ValueError`` rather than giving other numbers than HF. Padding positions come out
-exactly as HF computes them (they attend every real token), not as zeros.
+holes or left padding raises a ``ValueError`` rather than giving other numbers than HF. When a batch holds enough
+padding the layers skip it (see :func:`run_encoder_layers`): padding positions come out as zeros, real ones exactly as
+HF computes them; ``HF_DSINFER_ENCODER_UNPAD=0`` computes padding positions too, as HF does.
 
 Kept on HF's modules (one warning): ``is_decoder`` / ``add_cross_attention`` (BERT as a causal decoder or with
 cross-attention) and activations without an exact fused equivalent.
@@ -16,6 +17,7 @@ cross-attention) and activations without an exact fused equivalent.
 
 from __future__ import annotations
 
+import os
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -56,16 +58,49 @@ def right_padded_lengths(mask: torch.Tensor | None, batch: int, width: int, devi
     return real.sum(-1).to(torch.int32)
 
 
-def run_encoder_layers(runtime: Runtime, hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """The fused encoder layers over ``hidden [B, T, C]`` with ``lens [B]`` real tokens per (right-padded) row."""
+#: ``HF_DSINFER_ENCODER_UNPAD=0`` computes padding positions too (HF's values there) instead of skipping them.
+UNPAD_ENV = "HF_DSINFER_ENCODER_UNPAD"
+#: Skip padding when at least this fraction of the ``[B, T]`` grid is padding (below it the gathers cost more).
+UNPAD_MIN_FRACTION = 1 / 16
+
+
+def _skip_padding(hidden: torch.Tensor, lens: torch.Tensor) -> bool:
+    """Whether to run the layers on the real tokens only (see :func:`run_encoder_layers`)."""
+    if os.environ.get(UNPAD_ENV, "1").strip() == "0":
+        return False
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # a CUDA graph cannot hold a data-dependent token count: captured forwards keep the padding
     B, T, _ = hidden.shape
+    return B * T - int(lens.sum()) >= UNPAD_MIN_FRACTION * B * T  # one host sync
+
+
+def run_encoder_layers(runtime: Runtime, hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The fused encoder layers over ``hidden [B, T, C]`` with ``lens [B]`` real tokens per (right-padded) row.
+
+    With enough padding the layers run on the real tokens only, packed as ``[1, N, C]``: projections, MLPs and norms
+    act per token, so padding is pure waste there (about half of a sorted sentence-transformers batch); attention
+    puts the tokens back in rows. Padding positions then come out as zeros. HF's own values there depend on its
+    attention implementation too (its flash-attention path zeroes them) and carry no meaning: pooling masks them out
+    and the pooler reads the first token. Every real position is computed exactly as before.
+    """
+    B, T, C = hidden.shape
     zeros = torch.zeros(B, dtype=torch.int32, device=hidden.device)
-    positions = torch.zeros(B * T, dtype=torch.long, device=hidden.device)  # no rotary: positions are in the embeds
+    packed = _skip_padding(hidden, lens)
+    if packed:
+        real = torch.arange(T, device=hidden.device)[None, :] < lens[:, None]  # [B, T]
+        index = real.flatten().nonzero().squeeze(1)  # [N] real tokens in the [B * T] grid
+        hidden = hidden.reshape(B * T, C).index_select(0, index)[None]  # [1, N, C]
+    positions = torch.zeros(hidden.shape[0] * hidden.shape[1], dtype=torch.long, device=hidden.device)  # unused
     ctx = StepContext(None, zeros, zeros, positions, None, key_lens=lens)
+    if packed:
+        ctx.token_index, ctx.padded_shape = index, (B, T)
     residual = None
     for layer in runtime.layers:
         hidden, residual = layer(hidden, residual, ctx)
-    return hidden if residual is None else hidden + residual
+    out = hidden if residual is None else hidden + residual
+    if not packed:
+        return out
+    return out.new_zeros(B * T, C).index_copy_(0, index, out[0]).view(B, T, C)
 
 
 def install_encoder_forward(model: nn.Module, runtime: Runtime) -> None:
