@@ -52,3 +52,12 @@ def test_top_level_keys_map_into_the_section():
 def test_unsupported_values_are_refused_by_name(moe, match):
     with pytest.raises(ValueError, match=match):
         InferenceConfig(moe=moe)
+
+
+def test_ep_size_combines_with_a_larger_tp_size():
+    """ep_size 2 with tp_size 4 (two expert groups of two ranks) is a valid section; the split itself is checked
+    against the model's experts when it is planned (tests/test_moe_parallel.py)."""
+    cfg = InferenceConfig(tensor_parallel={"tp_size": 4}, moe={"ep_size": 2})
+    assert (cfg.tensor_parallel.tp_size, cfg.moe.expert_parallel_size) == (4, 2)
+    off = InferenceConfig(tensor_parallel={"tp_size": 4}, moe={"ep_size": 2, "enabled": False})
+    assert off.moe.expert_parallel_size == 1

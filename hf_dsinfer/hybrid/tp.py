@@ -102,9 +102,8 @@ class InferenceTP:
         shard = self.plan.shards.get(name)
         if shard is None:
             return value  # replicated (norms, biases of row-parallel projections, ...)
-        shard.local_shape(value.shape)  # the training tensor must be the full one
-        parts = [value.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+        # checks that the training tensor is the full one; MoE experts may be cut twice (experts, then features)
+        return shard.narrow(value)
 
     # -- collectives ------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """DeepSpeed's ``moe`` inference section (``DeepSpeedMoEConfig``), with its names and aliases.
 
 ``moe`` may be ``True`` (enabled, defaults), ``False``/``None``/``{}`` (no section), a dict, or a :class:`MoEConfig`.
-Keys: ``enabled`` (True), ``ep_size`` (1: experts replicated; N: whole experts split over N ranks), ``moe_experts``
+Keys: ``enabled`` (True), ``ep_size`` (1: under tensor parallelism every expert is split by features over the ranks;
+N, a divisor of ``tensor_parallel.tp_size`` and of the experts: N expert groups of ``tp_size / N`` ranks, each group
+holding ``1/N`` of the experts split by features over its ranks; checked when the split is planned), ``moe_experts``
 (alias ``num_experts``; DeepSpeed's per-layer expert counts, checked against the model's when given), ``type``
 (alias ``moe_type``; only ``"standard"``: DeepSpeed's PR-MoE ``"residual"`` layers do not exist in transformers
 models), ``ep_group`` (alias ``expert_group``: a process group for expert parallelism; default: the tensor-parallel

@@ -15,10 +15,12 @@ renormalised weights in fp32, so the weighted expert outputs and their sum over 
 Qwen3-MoE) the weights are rounded to the model dtype first and the products stay in it.
 
 Parallelism: under tensor parallelism each rank holds ``1/tp`` of every expert's intermediate features (``gate_up``
-rows ``[gate_r; up_r]``, ``down`` columns) and of the shared expert; under expert parallelism a rank holds the whole
-experts ``[expert_begin, expert_begin + local experts)``. Either way the block produces this rank's partial sums and
-``reduce`` (an in-place sum over the ranks, given by the caller) completes them once, after the shared expert's
-partials are added. The router is replicated, so every rank routes every token the same way.
+rows ``[gate_r; up_r]``, ``down`` columns) and of the shared expert; under expert parallelism a rank holds the experts
+``[expert_begin, expert_begin + local experts)``, whole (``ep_size == tp_size``) or ``1/t`` of their features when an
+expert group spans ``t`` ranks (the local feature count is read from the weights' shapes). Either way the block
+produces this rank's partial sums and ``reduce`` (an in-place sum over all the ranks, given by the caller) completes
+them once, after the shared expert's partials are added. The router is replicated, so every rank routes every token
+the same way.
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ def build_plan(
 ) -> TPPlan:
     """The :class:`TPPlan` of rank ``rank`` out of ``tp_size`` for ``model`` (real or on meta); raises ``ValueError``
     naming the module or the numbers when the model cannot be split that way. ``ep_size`` (MoE models): 1 splits
-    every expert's features over the ranks, ``tp_size`` gives each rank whole experts (``parallel/moe.py``)."""
+    every expert's features over the ranks, a divisor of ``tp_size`` makes that many expert groups (each rank: its
+    group's experts, split by features inside the group; ``tp_size``: whole experts per rank; ``parallel/moe.py``)."""
     plan = TPPlan(tp_size, rank)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")

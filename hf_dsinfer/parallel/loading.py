@@ -267,7 +267,7 @@ def load_pretrained_tp(
     on_loaded: Any = None,
 ) -> nn.Module:
     """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices
-    (``ep_size``: MoE experts split by features (1) or whole per rank (``tp.size``), see ``parallel/moe.py``;
+    (``ep_size``: MoE experts split by features (1), or into ``ep_size`` expert groups, see ``parallel/moe.py``;
     ``on_loaded(meta_model)``: returns the per-parameter callback of :func:`~.apply.apply_plan`, e.g. to quantize
     each linear's slice as soon as it is read)."""
     model = _build_meta(cls, config, dtype, attn_implementation)

@@ -1,9 +1,10 @@
 """Which slice of each tensor a tensor-parallel rank keeps: pure index arithmetic, no torch.distributed.
 
 A :class:`Shard` names the rows (or columns) a rank keeps along one dim as ``[start, stop)`` pieces, concatenated in
-order. The same object cuts an in-memory tensor (:meth:`Shard.take`) and reads the piece straight from a safetensors
-file (:meth:`Shard.read`), so in-place sharding, per-rank sliced loading and the fused layers' TP plans (policies
-declare ``column`` / ``row`` / ``qkv`` / ``gate_up``) all share one set of rules:
+order, optionally followed by one inner cut along another dim (a range of MoE experts, then features within them).
+The same object cuts an in-memory tensor (:meth:`Shard.take`) and reads the piece straight from a safetensors file
+(:meth:`Shard.read`), so in-place sharding, per-rank sliced loading and the fused layers' TP plans (policies declare
+``column`` / ``row`` / ``qkv`` / ``gate_up``) all share one set of rules:
 
 * **Heads** are never split, and KV-head groups stay whole. With at least as many kv heads as ranks, the kv heads
   are dealt out like DeepSpeed does (``kv // tp`` each, one more for the first ``kv % tp`` ranks: 40 heads on 3 ranks
@@ -32,43 +33,67 @@ DEFAULT_GRAIN = 64  # tensor_parallel.tp_grain_size's default, DeepSpeed's: slic
 
 @dataclass(frozen=True)
 class Shard:
-    """The pieces ``ranges`` (``[start, stop)``, in order) a rank keeps along ``dim`` of a tensor of ``full`` there."""
+    """The pieces ``ranges`` (``[start, stop)``, in order) a rank keeps along ``dim`` of a tensor of ``full`` there.
+
+    ``inner``: a second cut, along another dim, of the piece the first one keeps (MoE experts under expert parallelism
+    combined with tensor parallelism keep a range of experts along dim 0 and, within them, a slice of features).
+    """
 
     dim: int
     ranges: Ranges
     full: int
+    inner: Shard | None = None
+
+    def __post_init__(self) -> None:
+        if self.inner is not None and (self.inner.dim == self.dim or self.inner.inner is not None):
+            raise ValueError(f"a Shard's inner cut must be one cut along another dim than {self.dim}")
 
     @property
     def size(self) -> int:
-        """Length of the kept dim."""
+        """Length of the kept dim (the outer one)."""
         return sum(b - a for a, b in self.ranges)
 
     def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """``shape`` with ``dim`` shrunk to :attr:`size` (checks the full length)."""
+        """``shape`` with ``dim`` (and the inner cut's dim) shrunk to the kept lengths (checks the full lengths)."""
         if shape[self.dim] != self.full:
             raise ValueError(f"tensor of shape {tuple(shape)} does not match a shard of {self.full} along {self.dim}")
         out = list(shape)
         out[self.dim] = self.size
-        return tuple(out)
+        return self.inner.local_shape(out) if self.inner is not None else tuple(out)
+
+    def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full ``tensor``: a view where every cut keeps one range, else a new tensor."""
+        self.local_shape(tensor.shape)
+        parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
+        piece = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        return self.inner.narrow(piece) if self.inner is not None else piece
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full ``tensor``, as a new contiguous tensor (the full one can then be freed)."""
-        self.local_shape(tensor.shape)
-        parts = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)).contiguous().clone()
+        return self.narrow(tensor).contiguous().clone()
 
     def read(self, tensor_slice, shape: Sequence[int]) -> torch.Tensor:
         """This rank's piece read from a safetensors ``get_slice`` object of a tensor of ``shape``, as a private copy.
 
         safetensors returns views into a copy-on-write map of the whole file; copying keeps only this rank's bytes
-        resident and lets the map go once the file is closed.
+        resident and lets the map go once the file is closed. With an inner cut, each block read is the
+        intersection of both cuts' ranges, so no byte outside the rank's piece is copied.
         """
         self.local_shape(shape)
-        lead = (slice(None),) * self.dim
-        parts = [tensor_slice[lead + (slice(a, b),)] for a, b in self.ranges]
-        if len(parts) == 1:
-            return parts[0].clone(memory_format=torch.contiguous_format)
-        return torch.cat(parts, dim=self.dim)
+        inner = self.inner
+        pieces = []
+        for a, b in self.ranges:
+            blocks = []
+            for r in inner.ranges if inner is not None else (None,):
+                index = [slice(None)] * len(shape)
+                index[self.dim] = slice(a, b)
+                if r is not None:
+                    index[inner.dim] = slice(*r)
+                blocks.append(tensor_slice[tuple(index)])
+            pieces.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=inner.dim))
+        if len(pieces) == 1:
+            return pieces[0].clone(memory_format=torch.contiguous_format)
+        return torch.cat(pieces, dim=self.dim)
 
 
 def _merge(ranges: Iterable[tuple[int, int]]) -> Ranges:

@@ -24,7 +24,8 @@ from ..modules.moe import MoESpec
 from .base import Cat, Source, register
 from .llama import LlamaPolicy, _activation
 
-# Set by hf_dsinfer.parallel.moe on an HF experts module that holds only this rank's experts (expert parallelism).
+# Set by hf_dsinfer.parallel.moe on an HF experts module that holds only this rank's experts (expert parallelism,
+# whole or split by features inside an expert group: the local feature count comes from the weights' shapes).
 _EXPERT_BEGIN_ATTR = "_dsinfer_expert_begin"
 
 
@@ -106,7 +107,8 @@ class _MoEPolicy(LlamaPolicy):
 
     def tp_plan(self, model: nn.Module, spec: LayerSpec) -> dict[str, Any]:
         plan = super().tp_plan(model, spec)
-        # Experts split like dense MLPs along their intermediate features (see parallel/moe.py); router replicated.
+        # Experts split like dense MLPs along their intermediate features, or (moe.ep_size > 1) into expert groups
+        # first and by features inside each group (see parallel/moe.py); router replicated.
         plan["experts"] = {"column": "mlp.experts.gate_up", "row": "mlp.experts.down", "sections": ("gate", "up")}
         plan["column"] = plan["column"] + ["mlp.shared.up.weight"]
         plan["row"] = plan["row"] + ["mlp.shared.down.weight"]
