@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from tiny_models import ARCHITECTURES, PAD, left_pad, prompts, save_tiny
+from tiny_models import ARCHITECTURES, PAD, build_tiny, left_pad, prompts, save_tiny
 
 import hf_dsinfer  # noqa: F401  (registers inference_config)
 from hf_dsinfer import InferenceConfig
@@ -29,9 +29,13 @@ INT4_ASYM = {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", 
 NEW_TOKENS = 20
 # Relative logits error vs fp32 (Frobenius norm over the real tokens of a left-padded batch).
 INT8_BOUND = 0.03
-# int4 with round-to-nearest on these random-init models measures 0.21 (llama), 0.22 (qwen3), 0.33 (gemma2): above
-# the 0.15 target of issue 15 (docs/quantization.md). This bound only guards against regressions.
+# int4 (groups of 128) against issue 15's bound: held on briefly trained tiny models (test_error_bounds_trained).
+INT4_BOUND = 0.15
+# int4 with round-to-nearest on the random-init models measures 0.21 (llama), 0.22 (qwen3), 0.33 (gemma2): isotropic
+# Gaussian weights carry no structure for the rounding noise to hide behind (docs/quantization.md). This bound only
+# guards against regressions.
 INT4_GUARD = 0.40
+TRAIN_STEPS = 100
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +191,46 @@ def test_error_bounds_vs_fp32(saved, name):
     assert errors["int8"] <= INT8_BOUND, errors
     assert errors["int4"] <= INT4_GUARD, errors
     assert errors["int4"] > errors["int8"]  # the 4-bit weights really are coarser
+
+
+def _train_briefly(name: str, directory) -> tuple[str, torch.Tensor]:
+    """Row ``name`` after ``TRAIN_STEPS`` AdamW steps of next-byte prediction on a Python source file (bytes as
+    tokens 3..258): weights with the structure trained models have, saved to ``directory``."""
+    import collections
+
+    text = open(collections.__file__, "rb").read()[:100_000]
+    data = torch.tensor(list(text)) + 3  # [L] token ids
+    model = build_tiny(name).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(TRAIN_STEPS):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
+        x = torch.stack([data[i : i + 64] for i in starts.tolist()])  # [8, 64]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(directory)
+    return str(directory), data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+@torch.no_grad()
+def test_error_bounds_trained(tmp_path, name):
+    """Issue 15's bounds (int8 <= 3%, int4 group 128 <= 15% relative logits error vs fp32) on tiny models trained for
+    100 steps; their next-token argmax agrees with fp32 on nearly every position."""
+    with torch.enable_grad():
+        path, data = _train_briefly(name, tmp_path)
+    ids = torch.stack([data[i : i + 24] for i in (1000, 5000, 9000)])  # [3, 24] held text
+    mask = torch.ones_like(ids)
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(input_ids=ids).logits
+    for quant, bound in ((INT8, INT8_BOUND), (INT4, INT4_BOUND)):
+        got = _load(path, quant)(input_ids=ids, attention_mask=mask).logits
+        err = ((got - want).norm() / want.norm()).item()
+        agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        assert err <= bound, (quant, err)
+        assert agree >= 0.9, (quant, agree)
 
 
 @pytest.mark.slow
