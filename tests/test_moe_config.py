@@ -1,6 +1,8 @@
 """DeepSpeed's ``moe`` section and its deprecated top-level keys in InferenceConfig."""
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -61,3 +63,21 @@ def test_ep_size_combines_with_a_larger_tp_size():
     assert (cfg.tensor_parallel.tp_size, cfg.moe.expert_parallel_size) == (4, 2)
     off = InferenceConfig(tensor_parallel={"tp_size": 4}, moe={"ep_size": 2, "enabled": False})
     assert off.moe.expert_parallel_size == 1
+
+
+def test_ep_size_without_tensor_parallelism_is_refused_and_model_untouched():
+    """Expert parallelism runs over the tensor-parallel ranks: ep_size > 1 on one process is refused by name, before
+    anything changes on the model."""
+    import transformers
+
+    import hf_dsinfer
+    from hf_dsinfer.integration.apply import get_inference_config
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tiny_models import build_tiny
+
+    model = build_tiny("mixtral").train()
+    with pytest.raises(ValueError, match=r"moe\.ep_size=2 needs tensor parallelism.*moe\.ep_size=1"):
+        hf_dsinfer.init_inference(model, moe={"ep_size": 2}, dtype="fp32")
+    assert get_inference_config(model) is None
+    assert isinstance(model, transformers.MixtralForCausalLM) and model.training is True

@@ -50,6 +50,15 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     ``injection_policy`` and swaps in fused layers (``hf_dsinfer.policies.inject``). Models without a policy keep
     HF's own modules (one warning), so their output is HF's.
     """
+    from ..parallel import tp_requested
+
+    ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
+    if ep_size > 1 and not tp_requested(cfg.tensor_parallel):
+        raise ValueError(
+            f"moe.ep_size={ep_size} needs tensor parallelism: expert parallelism places experts on the "
+            f"tensor-parallel ranks, and there is one. Launch {ep_size}+ processes with tensor_parallel.tp_size a "
+            "multiple of ep_size, or set moe.ep_size=1."
+        )
     setattr(model, CONFIG_ATTR, cfg)
     model.eval()
     apply_tensor_parallel(model, cfg)
@@ -124,6 +133,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
 
     tp_cfg = cfg.tensor_parallel
     tp = parallel.tp_group_from_config(tp_cfg)
+    ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
     if not parallel.is_sharded(model):
         if cfg.checkpoint is not None:
             # DeepSpeed's flow: the weights come from the description, whatever the model holds (meta is cheapest).
@@ -135,7 +145,6 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
         elif any(p.is_meta for p in model.parameters()):
             raise ValueError("the model has weights on the meta device; pass checkpoint= (a checkpoint description).")
         elif tp.size > 1:
-            ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
             parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy, ep_size=ep_size)
     if cfg.save_mp_checkpoint_path is not None:
         parallel.save_mp_checkpoint(
