@@ -7,10 +7,12 @@ few ints; the tensors can be registered as non-persistent buffers and the object
 * ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.fbgemm_pack_gemm_matrix_fp16`` /
   ``torch.fbgemm_linear_fp16_weight_fp32_activation``, vectorized on AVX2; 2 bytes per weight). Per channel it
   holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
-  so it is exact like the reference. With groups it holds ``(q - z) * s`` rounded to fp16 once (2^-11 relative per
-  weight, ~1e-3 of the outputs: not exact, hence not the default there). The packed matrix is an opaque handle
-  fbgemm owns: it cannot be cloned or moved (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep
-  copy packs again. Under ``torch.compile`` it runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call.
+  so it is exact like the reference. With groups it holds ``(q - z) * s`` in fp16: exact for int4 weights from
+  :func:`~.quant_format.quantize_weight` (their scales have at most 8 / 7 significant bits), rounded once (2^-11
+  relative per weight, ~1e-3 of the outputs) for other scales; :attr:`CpuPackedWeight.exact` says which. The
+  packed matrix is an opaque handle fbgemm owns: it cannot be cloned or moved (``.to``), so it is not among
+  :meth:`CpuPackedWeight.buffers`; a deep copy packs again. Under ``torch.compile`` it runs as the op
+  ``hf_dsinfer::fp16_weight_linear``, one opaque call.
 * ``fp16gemm_exact``: with groups, the integers ``q - z`` and block-expanded activations (row ``g * M + m`` is row
   ``m`` masked to group ``g``'s columns): one GEMM gives every group's partial sums, scaled and summed in fp32, so
   it is exact and reads the weight once; up to :data:`FP16GEMM_MAX_EXPANDED_ROWS` expanded rows, beyond which it
@@ -85,6 +87,7 @@ class CpuPackedWeight:
     k_padded: int = 0  # K rounded up to a multiple of ``group``
     compute_dtype: torch.dtype = torch.float32
     source: tuple = ()  # fp16gemm: (qweight, scales, zeros) it was packed from, to pack a deep copy again
+    exact: bool = True  # False: fp16gemm with groups whose (q - z) * s did not all fit fp16 (rounded once)
 
     def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
         import copy
@@ -214,8 +217,10 @@ def pack_for_cpu(
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
             q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        if kind == "fp16gemm" and groups > 1:  # the dequantized weight rounded to fp16 once: not exact
-            q, post, mask = q * scales.float()[:, col_group], None, None
+        exact = True
+        if kind == "fp16gemm" and groups > 1:  # the dequantized weight in fp16: exact where it fits (int4 scales of
+            q, post, mask = q * scales.float()[:, col_group], None, None  # quantize_weight do), else rounded once
+            exact = torch.equal(q.half().float(), q)
         else:
             # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group
             # on the block-expanded activations (see cpu_quant_matmul).
@@ -223,7 +228,7 @@ def pack_for_cpu(
             mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
         packed = torch.fbgemm_pack_gemm_matrix_fp16(q.contiguous())  # an opaque handle owned by fbgemm
         return CpuPackedWeight(kind, packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
-                               source=(qweight, scales, zeros))  # fmt: skip
+                               source=(qweight, scales, zeros), exact=exact)  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
         k_pad = gs * groups

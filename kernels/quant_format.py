@@ -13,7 +13,9 @@ One format serves every path (Triton GEMMs on GPU, torch's packed CPU ops, the r
 - int4: ``qweight [N, ceil(K / 2)]`` uint8, two columns per byte: column ``k`` is byte ``k // 2``, the low nibble
   when ``k`` is even and the high nibble when odd (a padding nibble is 0 when ``K`` is odd). Nibbles are unsigned
   ``u`` in [0, 15]. Symmetric: ``z = 8`` implicitly (``zeros`` is None, ``u - 8`` in [-8, 7], scale ``absmax / 7``).
-  Asymmetric: ``z`` in [0, 15], an integer-valued float.
+  Asymmetric: ``z`` in [0, 15], an integer-valued float. :func:`quantize_weight` rounds int4 scales up to 8
+  (symmetric) or 7 (asymmetric) significant bits, so ``(q - z) * s`` is exact in fp16 (the CPU's fbgemm fp16-weight
+  GEMM then computes exactly); the format itself takes any scale.
 
 Everything is row-wise (groups and packing run along ``K``), so concatenating quantized weights along ``N`` (packing
 q/k/v into one qkv weight) is a plain ``torch.cat`` of ``qweight``, ``scales`` and ``zeros``, and slicing rows for
@@ -67,14 +69,34 @@ def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
     return t.reshape(n, -1, group_size)
 
 
-def _stored_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+#: int4 scales keep at most this many significant bits (symmetric, asymmetric), so every dequantized weight
+#: ``(q - z) * s`` has at most 11 and is exact in fp16: ``|q - 8| <= 8`` needs 3 bits (8 itself 1), ``|q - z| <= 15``
+#: needs 4. CPU decoding then runs fbgemm's fp16-weight GEMM with no rounding.
+INT4_SCALE_BITS = {True: 8, False: 7}
+
+
+def _round_up_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` (fp32, > 0) rounded up to ``bits`` significant bits."""
+    mant, exp = torch.frexp(x)  # x = mant * 2**exp, mant in [0.5, 1)
+    return torch.ldexp(torch.ceil(mant * 2.0**bits), (exp - bits).to(torch.float32))
+
+
+def _stored_scale(scale: torch.Tensor, dtype: torch.dtype, num_bits: int = 8, symmetric: bool = True) -> torch.Tensor:
     """``scale`` (fp32, > 0) as it will be stored in ``dtype``, back in fp32: rounded *up* to a value of ``dtype`` (so
-    the group's range still fits the integer grid) and never 0 (fp16 underflows where fp32 does not)."""
-    if dtype == torch.float32:
+    the group's range still fits the integer grid) and never 0 (fp16 underflows where fp32 does not). int4 scales are
+    then rounded up to :data:`INT4_SCALE_BITS` significant bits where ``dtype`` holds the result (not in its subnormal
+    range): steps at most 2^-7 (symmetric) / 2^-6 (asymmetric) coarser, for exact fp16 dequantization."""
+    if dtype != torch.float32:
+        info = torch.finfo(dtype)
+        stored = (scale * (1.0 + info.eps)).to(dtype).float()  # nearest of a value one ulp up: never below ``scale``
+        scale = stored.clamp_min(info.tiny * info.eps)  # the smallest subnormal; exactly representable in ``dtype``
+    if num_bits != 4:
         return scale
-    info = torch.finfo(dtype)
-    stored = (scale * (1.0 + info.eps)).to(dtype).float()  # nearest of a value one ulp up: never below ``scale``
-    return stored.clamp_min(info.tiny * info.eps)  # the smallest subnormal; exactly representable in ``dtype``
+    short = _round_up_bits(scale, INT4_SCALE_BITS[symmetric])
+    held = short.to(dtype).float() == short
+    if dtype != torch.float16:  # exact in fp16 too, or the fp16 products would round anyway
+        held &= short.to(torch.float16).float() == short
+    return torch.where(held, short, scale)
 
 
 def quantize_weight(
@@ -91,7 +113,7 @@ def quantize_weight(
     tiny = torch.finfo(torch.float32).tiny
     if spec.symmetric:
         qmax = 127.0 if spec.num_bits == 8 else 7.0
-        scale = _stored_scale((g.abs().amax(dim=-1) / qmax).clamp_min(tiny), scale_dtype)  # [N, G]
+        scale = _stored_scale((g.abs().amax(dim=-1) / qmax).clamp_min(tiny), scale_dtype, spec.num_bits, True)  # [N, G]
         zero = None
         lo, hi = (-qmax, qmax) if spec.num_bits == 8 else (-8.0, 7.0)
         q = torch.round(g / scale[..., None]).clamp_(lo, hi)
@@ -101,7 +123,7 @@ def quantize_weight(
         lo, hi = (-128.0, 127.0) if spec.num_bits == 8 else (0.0, 15.0)
         wmin = g.amin(dim=-1).clamp(max=0.0)  # include 0 so it stays exactly representable
         wmax = g.amax(dim=-1).clamp(min=0.0)
-        scale = _stored_scale(((wmax - wmin) / (hi - lo)).clamp_min(tiny), scale_dtype)
+        scale = _stored_scale(((wmax - wmin) / (hi - lo)).clamp_min(tiny), scale_dtype, spec.num_bits, False)
         zero = (lo - torch.round(wmin / scale)).clamp_(lo, hi)  # [N, G]
         q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(lo, hi)
     # q was computed against the stored scale (see _stored_scale), so dequantization uses exactly what is stored.

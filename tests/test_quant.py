@@ -162,18 +162,42 @@ def test_injected_equals_hf_path(saved, quant, exact_cpu_kind):
 
 
 @torch.no_grad()
-def test_default_cpu_kind_close_to_exact(saved, monkeypatch):
-    """The default CPU pack for grouped weights (fbgemm's fp16-weight GEMM: (q - z) * s rounded to fp16) stays within
-    fp16 rounding of the exact path; per-channel int8 is exact in both."""
+def test_default_cpu_kind_exact(saved, monkeypatch):
+    """The default CPU pack for grouped int4 (fbgemm's fp16-weight GEMM over (q - z) * s in fp16) is exact: the
+    quantizer keeps int4 scales to 8 (7 asymmetric) significant bits so every product fits fp16. Scales from
+    elsewhere that do not fit make the default fall back to the exact dequantizing kind; asking for fp16gemm rounds
+    them (~1e-3)."""
     path = saved("llama")
     ids, mask, real = _batch()
     monkeypatch.setenv(CPU_KIND_ENV, "exact")
     exact = _load(path, INT4_ASYM)(input_ids=ids, attention_mask=mask).logits
     monkeypatch.setenv(CPU_KIND_ENV, "auto")
     model = _load(path, INT4_ASYM)
-    kinds = {m.cpu_packed().kind for m in model.modules() if isinstance(m, QuantLinear)}
+
+    def kinds():
+        return {m.cpu_packed().kind for m in model.modules() if isinstance(m, QuantLinear)}
+
     got = model(input_ids=ids, attention_mask=mask).logits
-    assert _rel_err(got, exact, real) < 2e-3, kinds
+    assert kinds() == {"fp16gemm"}
+    assert _rel_err(got, exact, real) < 1e-6  # fp32 summation order only
+    # scales with more bits (one fp32 ulp-ish nudge): the default is exact again, by another kind
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.weight_scales.mul_(1 + 2**-12)
+    monkeypatch.setenv(CPU_KIND_ENV, "exact")
+    nudged_exact = model(input_ids=ids, attention_mask=mask).logits
+    monkeypatch.setenv(CPU_KIND_ENV, "auto")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m._cpu_packed = None  # the env var is read at pack time
+    assert "fp16gemm" not in kinds()
+    assert _rel_err(model(input_ids=ids, attention_mask=mask).logits, nudged_exact, real) < 1e-6
+    monkeypatch.setenv(CPU_KIND_ENV, "fp16gemm")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m._cpu_packed = None
+    rounded = model(input_ids=ids, attention_mask=mask).logits
+    assert kinds() == {"fp16gemm"} and 0 < _rel_err(rounded, nudged_exact, real) < 2e-3
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])

@@ -14,6 +14,7 @@ device kernel (``kernels/quant_gemm.py``) when it is installed and the torch ref
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
 
@@ -32,16 +33,15 @@ except ImportError:  # pragma: no cover - depends on which kernels are installed
 
 #: ``HF_DSINFER_QUANT_CPU_PACK=0`` turns the packed CPU copy off (the reference dequantizes on every call).
 CPU_PACK_ENV = "HF_DSINFER_QUANT_CPU_PACK"
-#: Which CPU kind packs a weight: ``auto`` (default: fbgemm's fp16-weight GEMM wherever it applies, the fastest with
-#: fp32 activations; exact per channel, ``(q - z) * s`` rounded to fp16 (2^-11 relative) with groups), ``exact``
-#: (``kernels/quant_cpu.default_kind``: exact for every spec, dequantizing grouped weights per call) or a kind name.
+#: Which CPU kind packs a weight: ``auto`` (default: fbgemm's fp16-weight GEMM wherever it applies and is exact, the
+#: fastest with fp32 activations: per channel always, with groups when every ``(q - z) * s`` fits fp16, as int4
+#: weights quantized by hf_dsinfer do; else ``exact``), ``exact`` (``kernels/quant_cpu.default_kind``: exact for
+#: every spec, dequantizing grouped weights per call) or a kind name (``fp16gemm`` rounds other scales to fp16).
 CPU_KIND_ENV = "HF_DSINFER_QUANT_CPU_KIND"
 
 
 def _cpu_kind(spec: QuantSpec, in_features: int) -> str | None:
     """The ``kind`` passed to ``pack_for_cpu`` (None: its own default) under :data:`CPU_KIND_ENV`."""
-    import os
-
     choice = os.environ.get(CPU_KIND_ENV, "auto")
     if choice == "exact":
         return None
@@ -68,8 +68,6 @@ def quant_matmul(
 
 
 def _cpu_pack_enabled() -> bool:
-    import os
-
     return pack_for_cpu is not None and os.environ.get(CPU_PACK_ENV, "1") != "0"
 
 
@@ -194,9 +192,10 @@ class QuantLinear(nn.Module):
         key = self._buffer_key()
         if self._cpu_packed is None or key != self._cpu_key:
             kind = _cpu_kind(self.spec, self.in_features)
-            self._cpu_packed = pack_for_cpu(
-                self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features, kind=kind
-            )  # fmt: skip
+            args = (self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features)
+            self._cpu_packed = pack_for_cpu(*args, kind=kind)
+            if not self._cpu_packed.exact and os.environ.get(CPU_KIND_ENV, "auto") == "auto":
+                self._cpu_packed = pack_for_cpu(*args)  # scales from elsewhere: the exact default kind
             self._cpu_key = key
         return self._cpu_packed
 
