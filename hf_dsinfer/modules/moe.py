@@ -34,7 +34,7 @@ from torch import nn
 from hf_dsinfer.kernels import act_and_mul, use_triton
 from hf_dsinfer.kernels.moe_gemm import moe_gemm, moe_sort
 
-from .linear import Linear, gemm_layout
+from .linear import Linear, gemm_layout, wants_k_major
 from .mlp import GATED_ACTIVATIONS, FusedMLP, MLPSpec
 
 #: Fused parameter names of an MoE block inside a decoder layer (relative to the layer).
@@ -82,9 +82,9 @@ def expert_layout(weight: torch.Tensor) -> torch.Tensor:
     """``weight [E, N, K]`` in the layout the device's GEMM reads fastest (same shape and values).
 
     On CPU each expert is stored K-major (``[E, K, N]`` storage seen through ``transpose(1, 2)``), for the reason
-    :func:`~hf_dsinfer.modules.gemm_layout` gives for 2-d weights; elsewhere the tensor is returned as is.
+    :func:`~hf_dsinfer.modules.gemm_layout` gives for 2-d weights (fp32 only); elsewhere the tensor is returned as is.
     """
-    if weight.device.type != "cpu" or weight.ndim != 3 or weight.stride()[1:] == (1, weight.shape[1]):
+    if not wants_k_major(weight) or weight.ndim != 3 or weight.stride()[1:] == (1, weight.shape[1]):
         return weight
     out = torch.empty(weight.shape[0], weight.shape[2], weight.shape[1], dtype=weight.dtype).transpose(1, 2)
     out.copy_(weight.detach())
