@@ -27,6 +27,9 @@ sys.path.insert(0, HERE)
 from tiny_models import PAD, left_pad, prompts, save_tiny  # noqa: E402
 from tolerances import MODEL_LOGITS_TOL  # noqa: E402
 
+# One xdist worker runs the whole module: its module-scoped launches would otherwise run once per worker.
+pytestmark = pytest.mark.xdist_group("test_parallel")
+
 WORLD = 2
 NEW_TOKENS = 20
 FAMILY_TOKENS = 8

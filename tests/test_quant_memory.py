@@ -20,6 +20,9 @@ import torch
 import transformers
 from tiny_models import save_tiny
 
+# One xdist worker runs the whole module: its module-scoped fixtures would otherwise run once per worker.
+pytestmark = pytest.mark.xdist_group("test_quant_memory")
+
 # A llama with an untied 32000-row head: 156 M parameters, 623 MB in fp32; layers hold 101 M of them.
 CONFIG = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
