@@ -180,17 +180,8 @@ def moe_gemm_torch(
     """
     _check(a, weight, counts, a_rows)
     if torch.compiler.is_compiling():
-        return _moe_gemm_host_counts(a, weight, counts, a_rows)
+        return torch.ops.hf_dsinfer.moe_gemm_host_counts(a, weight, counts, a_rows)
     return _moe_gemm_loop(a, weight, counts, a_rows)  # eager: skip the custom op's dispatch cost
-
-
-# The loop reads the counts on the host, which torch.compile cannot trace (a data-dependent shape per expert); as a
-# custom op it stays one opaque call in a compiled graph (the CPU decode step), run eagerly inside.
-@torch.library.custom_op("hf_dsinfer::moe_gemm_host_counts", mutates_args=())
-def _moe_gemm_host_counts(
-    a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None
-) -> torch.Tensor:
-    return _moe_gemm_loop(a, weight, counts, a_rows)
 
 
 def _moe_gemm_loop(
@@ -206,10 +197,25 @@ def _moe_gemm_loop(
     return out
 
 
-@_moe_gemm_host_counts.register_fake
-def _(a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None) -> torch.Tensor:
-    num_rows = a_rows.shape[0] if a_rows is not None else a.shape[0]
-    return a.new_empty(num_rows, weight.shape[1])
+# The loop reads the counts on the host, which torch.compile cannot trace (a data-dependent shape per expert); as an
+# op it stays one opaque call in a compiled graph (the CPU decode step), run eagerly inside. Defined with
+# torch.library directly (like hf_dsinfer::moe_experts_per_pair in modules/moe.py): ~15 us of dispatch per call where
+# a torch.library.custom_op costs ~80 us.
+_LIB = torch.library.Library("hf_dsinfer", "FRAGMENT")
+try:
+    _LIB.define("moe_gemm_host_counts(Tensor a, Tensor weight, Tensor counts, Tensor? a_rows) -> Tensor")
+except RuntimeError:  # pragma: no cover - defined already (the module imported twice under two names)
+    pass
+else:
+    _LIB.impl("moe_gemm_host_counts", _moe_gemm_loop, "CompositeExplicitAutograd")
+
+    def _moe_gemm_host_counts_fake(
+        a: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, a_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        num_rows = a_rows.shape[0] if a_rows is not None else a.shape[0]
+        return a.new_empty(num_rows, weight.shape[1])
+
+    torch.library.register_fake("hf_dsinfer::moe_gemm_host_counts", _moe_gemm_host_counts_fake, lib=_LIB)
 
 
 def moe_gemm(

@@ -166,8 +166,16 @@ def test_compiled_moe_step_runs_the_per_pair_op(name, tmp_path, compile_on, monk
     ops = {e.name for e in prof.events()}
     assert "hf_dsinfer::moe_experts_per_pair" in ops, "the compiled MoE step did not call the per-pair op"
     assert torch.equal(out.sequences, _gen(ref, ids, mask)), "compiled greedy tokens differ from HF"
+    # a padded batch (bucket 4: more pairs than experts) takes the sorted grouped path, its loop one op too
+    bids, bmask = left_pad(prompts())
+    with torch.profiler.profile() as prof:
+        batch = _gen(opt, bids, bmask, return_dict_in_generate=True, output_logits=True)
+    assert set(compiled.compile_s) == {1, 4} and not compiled.failed
+    assert "hf_dsinfer::moe_gemm_host_counts" in {e.name for e in prof.events()}
+    assert torch.equal(batch.sequences, _gen(ref, bids, bmask)), "compiled greedy tokens differ from HF"
     monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "0")
-    eager = _gen(opt, ids, mask, return_dict_in_generate=True, output_logits=True)
-    assert torch.equal(out.sequences, eager.sequences)
-    for a, b in zip(out.logits, eager.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for got, (i, m) in ((out, (ids, mask)), (batch, (bids, bmask))):
+        eager = _gen(opt, i, m, return_dict_in_generate=True, output_logits=True)
+        assert torch.equal(got.sequences, eager.sequences)
+        for a, b in zip(got.logits, eager.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
