@@ -133,7 +133,6 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
 
     tp_cfg = cfg.tensor_parallel
     tp = parallel.tp_group_from_config(tp_cfg)
-    ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
     if not parallel.is_sharded(model):
         if cfg.checkpoint is not None:
             # DeepSpeed's flow: the weights come from the description, whatever the model holds (meta is cheapest).
@@ -145,6 +144,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: InferenceConfig) -> None:
         elif any(p.is_meta for p in model.parameters()):
             raise ValueError("the model has weights on the meta device; pass checkpoint= (a checkpoint description).")
         elif tp.size > 1:
+            ep_size = cfg.moe.expert_parallel_size if cfg.moe is not None else 1
             parallel.shard_model(model, tp, tp_cfg.tp_grain_size, cfg.injection_policy, ep_size=ep_size)
     if cfg.save_mp_checkpoint_path is not None:
         parallel.save_mp_checkpoint(
