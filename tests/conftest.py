@@ -35,7 +35,7 @@ hf_logging.enable_propagation()
 # out at the start instead of leaving one worker finishing them alone at the end.
 HEAVY_FIRST = (
     "test_parallel.py", "test_moe_parallel.py", "test_parallel_coverage.py", "test_hybrid_tp.py", "test_quant_tp.py",
-    "test_quant_memory.py", "test_injection_memory.py", "test_parallel_memory.py",
+    "test_quant_memory.py", "test_injection_memory.py", "test_parallel_memory.py", "test_aot_compile.py",
 )  # fmt: skip
 
 

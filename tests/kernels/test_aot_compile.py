@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module: its module-scoped compile (two processes, about a minute) would otherwise
+# run once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_aot_compile")]
 
 HERE = Path(__file__).resolve().parent
 ARCHS = (90, 80)
