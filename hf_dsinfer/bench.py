@@ -202,8 +202,9 @@ def _prepare(peer: str, model: nn.Module, args: BenchArgs, device: torch.device)
         from transformers import CompileConfig
 
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        cc = CompileConfig(mode=mode, fullgraph=False)
-        cc._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+        from .hf_compat import compile_config_all_devices
+
+        cc = compile_config_all_devices(CompileConfig(mode=mode, fullgraph=False))  # else CUDA only
         return model, dict(cache_implementation="static", compile_config=cc)
     from .integration.engine import init_inference
 

@@ -70,3 +70,18 @@ def pop_cache(kwargs: dict[str, Any], where: str = "forward") -> Any:
             f"(transformers {transformers_version()} calls it {cache_kwarg()!r})."
         )
     return new if new is not None else old
+
+
+# -- generate's auto-compile ----------------------------------------------------------------------------------------
+
+
+def compile_config_all_devices(compile_config: Any) -> Any:
+    """Let ``compile_config`` (a ``transformers.CompileConfig``) compile off CUDA too; returns it.
+
+    transformers' generate auto-compiles only on CUDA unless the private flag ``_compile_all_devices`` is set (no
+    public switch exists). ``hf-dsinfer bench`` needs it to time HF's static cache + ``torch.compile`` on a CPU.
+    A release without the flag is left as is: generate then decides itself (eager on CPU).
+    """
+    if hasattr(compile_config, "_compile_all_devices"):
+        compile_config._compile_all_devices = True
+    return compile_config
