@@ -3,13 +3,18 @@ DeepSpeed's test_he_llama does), DeepSpeed-Chat's LoRA layers fused exactly, unk
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import PAD, build_tiny, left_pad, prompts
+import transformers
+from peft import LoraConfig, get_peft_model
+from tiny_models import PAD, build_tiny, left_pad, prompts, randomize_lora
 from torch import nn
 
 from hf_dsinfer.hybrid import HybridEngine, UnsupportedAdapterError
+from hf_dsinfer.policies import find_policy
 
 CFG = {"max_out_tokens": 64}
 
@@ -45,6 +50,30 @@ class ChatLoRALinear(nn.Module):
         if self.fuse_lora:
             return y
         return y + (x @ self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling
+
+
+class ScaledLinear(nn.Linear):
+    """An unknown adapter: a Linear subclass with an extra trainable vector on the forward path."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.weight = linear.weight
+        self.gain = nn.Parameter(torch.ones(linear.out_features))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+class Wrapper(nn.Module):
+    """An unknown adapter: a wrapper holding the Linear and an adapter next to it."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.inner = linear
+        self.adapter = nn.Linear(linear.in_features, linear.out_features, bias=False)
+
+    def forward(self, x):
+        return self.inner(x) + self.adapter(x)
 
 
 def _convert(model: nn.Module, names: tuple[str, ...], make) -> nn.Module:
@@ -100,27 +129,87 @@ def test_deepspeed_chat_lora_is_fused_exactly():
 
 
 def test_unknown_adapters_are_refused_by_name():
-    class ScaledLinear(nn.Linear):  # a Linear subclass with an extra trainable vector on the forward path
-        def __init__(self, linear: nn.Linear):
-            super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
-            self.weight = linear.weight
-            self.gain = nn.Parameter(torch.ones(linear.out_features))
-
-        def forward(self, x):
-            return super().forward(x) * self.gain
-
-    class Wrapper(nn.Module):  # a wrapper holding the Linear and an adapter next to it
-        def __init__(self, linear: nn.Linear):
-            super().__init__()
-            self.inner = linear
-            self.adapter = nn.Linear(linear.in_features, linear.out_features, bias=False)
-
-        def forward(self, x):
-            return self.inner(x) + self.adapter(x)
-
     model = _convert(build_tiny("llama", seed=0), ("k_proj",), ScaledLinear)
     with pytest.raises(UnsupportedAdapterError, match=r"model.layers.0.self_attn.k_proj: .*ScaledLinear.*'gain'"):
         HybridEngine(model, inference_config=CFG)
     model = _convert(build_tiny("llama", seed=0), ("up_proj",), Wrapper)
     with pytest.raises(UnsupportedAdapterError, match=r"mlp.up_proj: .*Wrapper.*'adapter.weight'"):
+        HybridEngine(model, inference_config=CFG)
+
+
+# -- architectures without a policy: the inference copy keeps HF's modules, whose parameters sit next to sub-modules --
+
+_RECURRENT = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+FALLBACK_ARCHS = {
+    "mamba": dict(state_size=8),  # MambaMixer: A_log, D next to in_proj / conv1d / x_proj / dt_proj / out_proj
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=8, n_groups=1, chunk_size=16),  # + dt_bias and a norm child
+    "rwkv": dict(
+        attention_hidden_size=64, intermediate_size=128, context_length=64
+    ),  # time_decay / time_mix_* + Linear
+}
+
+
+def _fallback_model(model_type: str) -> nn.Module:
+    config = transformers.AutoConfig.for_model(model_type, **_RECURRENT, **FALLBACK_ARCHS[model_type])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _train_step(model: nn.Module, lr: float = 5.0) -> None:
+    """One SGD step on a language-model loss (large lr: the greedy tokens must move)."""
+    ids, mask = left_pad(prompts((7, 7), seed=3))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("model_type", list(FALLBACK_ARCHS))
+def test_architectures_without_a_policy_run_eval_generate_train(model_type):
+    model = _fallback_model(model_type)
+    assert find_policy(model) is None, f"{model_type} has a policy now: pick another fallback architecture"
+    expected = model.generate(**_gen())
+    he = HybridEngine(model, inference_config=CFG)
+    he.eval()
+    assert torch.equal(he.generate(**_gen()), expected)
+    he.train()
+    before = {n: p.detach().clone() for n, p in he.module.named_parameters()}
+    _train_step(model)
+    model.eval()
+    expected_after = model.generate(**_gen())  # the training model's own forward with its new weights
+    he.eval()
+    out = he.generate(**_gen())
+    he.train()
+    assert torch.equal(out, expected_after)
+    changed = [n for n, p in he.module.named_parameters() if not torch.equal(p, before[n])]
+    assert changed, "the optimizer step did not reach the inference copy"
+    assert not torch.equal(expected_after, expected), "the step did not move the greedy tokens: the test proves less"
+
+
+def test_lora_inside_a_module_that_owns_parameters_is_fused():
+    model = get_peft_model(
+        _fallback_model("mamba"), LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj", "x_proj", "dt_proj"])
+    )
+    randomize_lora(model)
+    expected = copy.deepcopy(model).merge_and_unload().eval().generate(**_gen())
+    he = HybridEngine(model, inference_config=CFG)
+    with he.inference():
+        assert torch.equal(he.generate(**_gen()), expected)
+
+
+def test_unknown_adapters_inside_fallback_and_plain_containers_are_refused():
+    model = _fallback_model("mamba")
+    mixer = model.backbone.layers[0].mixer
+    mixer.out_proj = ScaledLinear(mixer.out_proj)  # a child with an extra factor inside a module owning A_log, D
+    with pytest.raises(UnsupportedAdapterError, match=r"layers.0.mixer.out_proj: .*ScaledLinear.*'gain'"):
+        HybridEngine(model, inference_config=CFG)
+    model = _fallback_model("mamba")
+    model.backbone.layers[1].mixer.side_adapter = nn.Linear(64, 64)  # a new child next to the mixer's projections
+    with pytest.raises(UnsupportedAdapterError, match=r"layers.1.mixer: .*MambaMixer.*'side_adapter.weight'"):
+        HybridEngine(model, inference_config=CFG)
+    model = build_tiny("llama", seed=0)
+    model.model.layers[0].mlp.adapter = nn.Linear(96, 96)  # an adapter child of a module with no own parameters
+    with pytest.raises(UnsupportedAdapterError, match=r"layers.0.mlp: .*LlamaMLP.*'adapter.weight'"):
         HybridEngine(model, inference_config=CFG)

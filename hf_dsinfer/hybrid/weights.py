@@ -263,24 +263,32 @@ class TrainingWeights:
     def check_modules(self, reference: nn.Module) -> None:
         """Refuse training modules that compute something the plain architecture cannot hold.
 
-        ``reference`` is the plain HF model built from the same config (the inference copy before injection). Every
-        module of it that owns parameters (Linear, Embedding, norms, ...) must have, in the training model, a
-        counterpart owning the same parameter names and no sub-module with parameters, unless it is an adapter the
-        engine fuses (peft LoRA, DeepSpeed-Chat LoRA). Anything else (a Linear subclass with extra factors, a wrapper
-        around the Linear) would be silently dropped from the generated model: refused by name.
+        ``reference`` is the plain HF model built from the same config (the inference copy before injection). Each
+        module of it is compared with its training counterpart one level at a time: the counterpart must own the
+        same direct parameters (none extra, none missing for modules that own some) and no child holding parameters
+        that the reference module does not have as a child too. The children the reference does have are checked
+        on their own turn, so a module owning parameters next to sub-modules (Mamba's mixer: ``A_log``, ``D`` and
+        its projections) is plain. Adapters the engine fuses (peft LoRA, DeepSpeed-Chat LoRA) are let through;
+        anything else (a Linear subclass with extra factors, a wrapper around the Linear, an adapter attached next
+        to an MLP's projections) would be silently dropped from the generated model: refused by name.
         """
         for path, ref in reference.named_modules():
-            own = {n for n, _ in ref.named_parameters(recurse=False)}
-            if not own:
-                continue
             try:
                 mod = self.module(path)
             except KeyError:
                 continue  # the refresh names the missing parameter
             if _is_tuner_layer(mod):
                 continue  # peft: LoRA is fused, other tuners are refused by name in get()
+            own = {n for n, _ in ref.named_parameters(recurse=False)}
             trained_own = {n for n, _ in mod.named_parameters(recurse=False)}
-            nested = sorted(n for n, _ in mod.named_parameters() if "." in n)
+            ref_children = {n for n, _ in ref.named_children()}
+            # Parameters under children the architecture does not have at this place: an adapter's own modules.
+            nested = sorted(
+                f"{child_name}.{n}"
+                for child_name, child in mod.named_children()
+                if child_name not in ref_children
+                for n, _ in child.named_parameters()
+            )
             extra = sorted(trained_own - own) + nested
             if is_deepspeed_chat_lora(mod):
                 extra = [n for n in extra if n not in ("lora_right_weight", "lora_left_weight")]
