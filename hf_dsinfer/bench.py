@@ -39,6 +39,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # no kernel-injection policy: hf_dsinfer runs it on the generic path (HF's modules, static-cache attention)
     "smollm3-tiny": ("smollm3", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)),
+    # SmolLM2-135M-Instruct's shape (hf_dsinfer.real_model has its trained weights): decode speed does not depend on
+    # the weight values, so its random-weight twin times what the real model would
+    "smollm2": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                              num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                              rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
     "small": ("llama", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)),
     # mixture of experts (mixtral: 8 experts, top-2); random weights
