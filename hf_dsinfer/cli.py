@@ -139,7 +139,7 @@ def _generate(args: argparse.Namespace) -> None:
     out = model.generate(**enc, **gen)
     wall_s = time.perf_counter() - start
     stats = last_generate_stats(model)
-    new = out[:, enc["input_ids"].shape[1]:]
+    new = out[:, enc["input_ids"].shape[1] :]
     texts = [f"{prompt}{tok.decode(row, skip_special_tokens=True)}" for prompt, row in zip(args.prompt, new)]
     report = generation_report(
         texts, int(enc["attention_mask"].sum()), stats if stats is not before else None, wall_s, new.shape[1]
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "generate":
         _generate(args)
     elif args.command == "bench":
-        from .bench import bench_main
+        from .bench import bench_main, exit_code
 
-        bench_main(args)
+        return exit_code(bench_main(args))  # 1 when an hf_dsinfer contender failed
     return 0
 
 

@@ -80,7 +80,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
         bench.write_plot({"rows": []}, str(tmp_path / "x.png"))
 
 
-def test_na_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
+def test_failed_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
     import hf_dsinfer.bench as bench
 
     def broken(peer, model, args, device):
@@ -88,11 +88,91 @@ def test_na_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "_prepare", broken)
     argv = ["bench", "--peers", "eager", "--batch-sizes", "1,3", "--new-tokens", "2", "--out", str(tmp_path)]
-    assert main(argv) == 0
+    assert main(argv) == 0  # only HF's contender failed: reported, but not the bench's failure
     report = json.loads((tmp_path / "bench-tiny.json").read_text())
     assert [(r["peer"], r["batch"]) for r in report["rows"]] == [("eager", 1), ("eager", 3)]
-    assert all(r["note"] == "n/a: RuntimeError: no such backend" for r in report["rows"])
-    assert "| HF eager | 1 | n/a |" in capsys.readouterr().out
+    assert all(r["failed"] and r["error"] == "RuntimeError: no such backend" for r in report["rows"])
+    assert all(r["note"] == "FAILED: RuntimeError: no such backend" for r in report["rows"])
+    out = capsys.readouterr().out
+    assert "| HF eager | 1 | n/a |" in out
+    assert "**FAILED:** HF eager at batch 1, 3: RuntimeError: no such backend" in out
+
+
+def test_failing_hf_dsinfer_fails_the_bench(tmp_path, capsys, monkeypatch):
+    """An hf_dsinfer contender that raises: failed rows with the error, no identity claim over them, the plot marks
+    it, and the command exits 1."""
+    matplotlib_axes = pytest.importorskip("matplotlib.axes")
+
+    import hf_dsinfer.bench as bench
+
+    real_prepare = bench._prepare
+
+    def dsinfer_breaks(peer, model, args, device):
+        if peer == "dsinfer":
+            raise ValueError("fused layers refused this model")
+        return real_prepare(peer, model, args, device)
+
+    labels = []
+    real_plot = matplotlib_axes.Axes.plot
+
+    def recording_plot(self, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_prepare", dsinfer_breaks)
+    monkeypatch.setattr(matplotlib_axes.Axes, "plot", recording_plot)
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "--peers", "eager,dsinfer", "--batch-sizes", "1,2", "--prompt-len", "4", "--new-tokens", "3",
+            "--repeats", "1", "--threads", "1", "--out", str(tmp_path), "--plot", str(plot)]  # fmt: skip
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert report["hf_dsinfer_failed"] is True
+    failed = [r for r in report["rows"] if r["failed"]]
+    assert [(r["peer"], r["batch"]) for r in failed] == [("dsinfer", 1), ("dsinfer", 2)]
+    assert all(r["error"] == "ValueError: fused layers refused this model" for r in failed)
+    assert "**FAILED:** hf_dsinfer at batch 1, 2: ValueError: fused layers refused this model" in out
+    assert "in every row" not in out
+    assert "Greedy tokens identical to HF eager's in the 2 row(s) that ran; **did not run (failed)**: hf_dsinfer " \
+           "at batch 1, 2." in out  # fmt: skip
+    assert "hf_dsinfer: FAILED (batch 1, 2)" in labels
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_token_agreement_line_covers_only_rows_that_ran():
+    from hf_dsinfer.bench import token_agreement_line
+
+    def row(peer, name, batch, match, failed=False):
+        return dict(peer=peer, name=name, batch=batch, tokens_match=None if failed else match, failed=failed)
+
+    ok = [row("eager", "HF eager", 1, True), row("dsinfer", "hf_dsinfer", 1, True)]
+    assert token_agreement_line({"rows": ok}) == "Greedy tokens identical to HF eager's in every row."
+    differ = ok[:1] + [row("dsinfer", "hf_dsinfer", 1, False), row("compile", "HF static+compile", 1, None, True)]
+    assert token_agreement_line({"rows": differ}) == (
+        "**Greedy tokens differ from HF eager's in 1 row(s)** (see the notes); **did not run (failed)**: "
+        "HF static+compile at batch 1."
+    )
+    eager_failed = [row("eager", "HF eager", 1, None, True), row("dsinfer", "hf_dsinfer", 1, None)]
+    assert token_agreement_line({"rows": eager_failed}).startswith("**Greedy tokens not compared**")
+    assert token_agreement_line({"rows": [row("compile", "HF static+compile", 1, None)]}) is None
+
+
+def test_noise_advice_fits_the_flags_given():
+    from hf_dsinfer.bench import noise_advice
+
+    assert noise_advice(1, 3) == "rerun with more --repeats (this run: 3) or on an idle machine"
+    assert noise_advice(2, 5) == "rerun with more --repeats (this run: 5), --threads 1 or on an idle machine"
+    report = {
+        "preset": "tiny", "device": "cpu", "dtype": "fp32", "copy_gbs": 1.0,
+        "settings": dict(prompt_len=4, new_tokens=3, repeats=3, threads=1),
+        "rows": [dict(peer="eager", name="HF eager", batch=1, ttft_ms=1.0, decode_tokens_per_s=10.0,
+                      tokens_per_s_min=5.0, tokens_per_s_max=12.0, spread=2.4, ms_per_token=100.0,
+                      peak_mem_mib=1.0, gbs=1.0, pct_copy_bw=1.0, note="", tokens_match=True, failed=False)],
+    }  # fmt: skip
+    table = markdown_table(report)
+    assert "**Noisy:** 1 row(s)" in table and "--threads 1" not in table
+    report["settings"]["threads"] = 2
+    assert "--threads 1" in markdown_table(report)
 
 
 def test_random_model_keeps_ties_and_buffers():
@@ -112,11 +192,72 @@ def test_random_model_keeps_ties_and_buffers():
 def test_bench_hybrid_mode_writes_table(tmp_path, capsys):
     from hf_dsinfer.cli import main
 
-    main(["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "2", "--prompt-len", "8", "--new-tokens", "4",
-          "--repeats", "1", "--device", "cpu", "--threads", "1", "--out", str(tmp_path)])
+    main(
+        [
+            "bench",
+            "--hybrid",
+            "--preset",
+            "tiny",
+            "--batch-sizes",
+            "2",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
     assert len(report["rows"]) == 4 and all(r["generate_ms"] and r["generate_ms"] > 0 for r in report["rows"])
     assert "generate_ms" in capsys.readouterr().out
+
+
+def test_bench_hybrid_engine_failure_fails_the_bench(tmp_path, capsys, monkeypatch):
+    import hf_dsinfer.hybrid.engine as engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine refused")
+
+    monkeypatch.setattr(engine, "HybridEngine", broken)
+    code = main(
+        [
+            "bench",
+            "--hybrid",
+            "--preset",
+            "tiny",
+            "--batch-sizes",
+            "1",
+            "--prompt-len",
+            "4",
+            "--new-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 1
+    report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
+    rows = {(r["mode"], r["peer"]): r for r in report["rows"]}
+    assert set(rows) == {("full", "hf"), ("full", "hybrid"), ("lora", "peft"), ("lora", "hybrid")}
+    for mode in ("full", "lora"):
+        hybrid = rows[(mode, "hybrid")]
+        assert hybrid["failed"] and hybrid["error"] == "RuntimeError: engine refused" and hybrid["generate_ms"] is None
+        assert "speedup" not in hybrid
+    assert rows[("full", "hf")]["generate_ms"] > 0 and not rows[("full", "hf")]["failed"]  # the peer still ran
+    assert "**FAILED:** hf_dsinfer HybridEngine (full): RuntimeError: engine refused" in capsys.readouterr().out
 
 
 def test_token_disagreement_is_reported():
@@ -125,8 +266,12 @@ def test_token_disagreement_is_reported():
     from hf_dsinfer.bench import mark_token_agreement
 
     same, other = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 8]])
-    rows = [dict(peer="eager", batch=1, note="", _tokens=same), dict(peer="dsinfer", batch=1, note="", _tokens=same),
-            dict(peer="compile", batch=1, note="", _tokens=other), dict(peer="dsinfer", batch=2, note="", _tokens=same)]
+    rows = [
+        dict(peer="eager", batch=1, note="", _tokens=same),
+        dict(peer="dsinfer", batch=1, note="", _tokens=same),
+        dict(peer="compile", batch=1, note="", _tokens=other),
+        dict(peer="dsinfer", batch=2, note="", _tokens=same),
+    ]
     mark_token_agreement(rows)
     assert [r["tokens_match"] for r in rows] == [True, True, False, None]
     assert rows[2]["note"] == "greedy tokens differ from HF eager" and all("_tokens" not in r for r in rows)

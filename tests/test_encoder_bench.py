@@ -44,3 +44,28 @@ def test_bench_encoder_bad_arguments(bert_dir, tmp_path):
         main(["bench", "--encoder", "--model", bert_dir, "--batch-sizes", "8,16", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="CPU path"):
         main(["bench", "--encoder", "--model", bert_dir, "--device", "cuda", "--out", str(tmp_path)])
+
+
+def test_bench_encoder_failing_hf_dsinfer_fails_the_bench(bert_dir, tmp_path, capsys, monkeypatch, one_thread):
+    """hf_dsinfer raising: its row is failed with the error, the HF rows still run, the command exits 1."""
+    import hf_dsinfer.bench_encoder as bench_encoder
+
+    real = bench_encoder.load_embedder
+
+    def broken(path, contender, use_st):
+        if contender == "hf_dsinfer":
+            raise ValueError("no fused encoder here")
+        return real(path, contender, use_st)
+
+    monkeypatch.setattr(bench_encoder, "load_embedder", broken)
+    argv = ["bench", "--encoder", "--model", bert_dir, "--batch-sizes", "32", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    report = json.loads((tmp_path / "bench-encoder.json").read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert report["hf_dsinfer_failed"] is True
+    assert rows["hf_dsinfer"]["failed"] and rows["hf_dsinfer"]["error"] == "ValueError: no fused encoder here"
+    assert rows["hf_dsinfer"]["sentences_per_s"] is None
+    assert rows["hf-sdpa"]["sentences_per_s"] > 0 and rows["hf-sdpa"]["max_abs_diff_vs_eager"] < 1e-4
+    out = capsys.readouterr().out
+    assert "| hf_dsinfer | FAILED: ValueError: no fused encoder here |" in out
+    assert "**FAILED:** hf_dsinfer (ValueError: no fused encoder here)" in out

@@ -74,20 +74,34 @@ _NAMES = {"hf": "HF generate (training model)", "peft": "HF generate (peft, unme
           "hybrid": "hf_dsinfer HybridEngine"}  # fmt: skip
 
 
-def _row(peer: str, mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int,
-         times: dict[str, list[float]], device: torch.device, note: str = "", **extra: Any) -> dict:  # fmt: skip
-    med = {k: round(statistics.median(v), 3) if v else None for k, v in times.items()}
+def _row(
+    peer: str,
+    mode: str,
+    preset: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    times: dict[str, list[float]],
+    device: torch.device,
+    error: str | None = None,
+    **extra: Any,
+) -> dict:
+    """One contender's row; ``error`` (``Type: message``) marks a contender that raised: no figures, ``failed``."""
+    med = {k: round(statistics.median(v), 3) if v and error is None else None for k, v in times.items()}
     gen_ms = med.get("generate_ms")
     return dict(
         peer=peer, mode=mode, name=_NAMES[peer], preset=preset, batch=batch, prompt_len=prompt_len,
         new_tokens=new_tokens, **med, tokens_per_s=round(batch * new_tokens * 1e3 / gen_ms, 2) if gen_ms else None,
-        peak_mem_mib=_peak_mib(device), note=note, **extra,
+        peak_mem_mib=_peak_mib(device), failed=error is not None, error=error,
+        note=f"FAILED: {error}" if error else "", **extra,
     )  # fmt: skip
 
 
 def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
                 dtype: str, iterations: int, lora_rank: int, seed: int) -> list[dict]:  # fmt: skip
     """Both contenders of one training setup, alternating on one shared model; a row each."""
+    from ..bench import _error_text
+    from ..log import logger
     from ..policies import get_injection
     from .engine import HybridEngine
 
@@ -100,12 +114,17 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     )  # fmt: skip
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     peer = "peft" if mode == "lora" else "hf"
-    he = HybridEngine(
-        model, inference_config=dict(
-            dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
-            enable_cuda_graph=dev.type == "cuda",
-        ),
-    )  # fmt: skip
+    errors: dict[str, str] = {}  # contender -> its error; a contender that raised is not called again
+    try:
+        he = HybridEngine(
+            model, inference_config=dict(
+                dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
+                enable_cuda_graph=dev.type == "cuda",
+            ),
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the engine failing is the bench's finding, the HF peer still runs
+        logger.debug("bench --hybrid: HybridEngine failed to start", exc_info=True)
+        errors["hybrid"] = _error_text(e)
     times = {peer: {"generate_ms": [], "train_ms": [], "e2e_ms": []},
              "hybrid": {"generate_ms": [], "refresh_ms": [], "train_ms": [], "e2e_ms": []}}  # fmt: skip
 
@@ -136,21 +155,36 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
 
+    def attempt(name: str, run: Any, record: bool) -> None:
+        if name in errors:
+            return
+        try:
+            run(record)
+        except Exception as e:  # noqa: BLE001 - reported in its row, the other contender still runs
+            logger.debug("bench --hybrid: %s failed", name, exc_info=True)
+            errors[name] = _error_text(e)
+
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for i in range(iterations + 1):  # iteration 0 warms both up (allocations, compiled steps, graphs)
-        first, second = (run_peer, run_hybrid) if i % 2 == 0 else (run_hybrid, run_peer)
-        first(i > 0)
-        second(i > 0)
-    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev)
+        order = ((peer, run_peer), ("hybrid", run_hybrid))
+        for name, run in order if i % 2 == 0 else order[::-1]:
+            attempt(name, run, i > 0)
+    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev, errors.get(peer))
+    if "hybrid" in errors:
+        return [
+            peer_row,
+            _row("hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev, errors["hybrid"]),
+        ]
     copy_mib = sum(p.numel() * p.element_size() for p in he.module.parameters()) / 2**20
     hybrid_row = _row(
         "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
         injected=get_injection(he.module) is not None, inference_copy_mib=round(copy_mib, 1),
     )  # fmt: skip
-    engine_ms = hybrid_row["generate_ms"] + (hybrid_row["refresh_ms"] or 0.0)
-    hybrid_row["speedup"] = round(peer_row["generate_ms"] / engine_ms, 3)
-    hybrid_row["e2e_speedup"] = round(peer_row["e2e_ms"] / hybrid_row["e2e_ms"], 3)
+    if peer not in errors:  # a ratio needs both contenders
+        engine_ms = hybrid_row["generate_ms"] + (hybrid_row["refresh_ms"] or 0.0)
+        hybrid_row["speedup"] = round(peer_row["generate_ms"] / engine_ms, 3)
+        hybrid_row["e2e_speedup"] = round(peer_row["e2e_ms"] / hybrid_row["e2e_ms"], 3)
     return [peer_row, hybrid_row]
 
 
@@ -171,8 +205,9 @@ def run_hybrid_bench(
 
     Row keys: ``peer``, ``mode``, ``name``, ``preset``, ``batch``, ``prompt_len``, ``new_tokens``, ``generate_ms``,
     ``refresh_ms`` (hybrid), ``train_ms``, ``e2e_ms`` (medians), ``tokens_per_s`` (generated tokens over generate
-    time), ``peak_mem_mib`` (CUDA only), ``note``; hybrid rows add ``injected``, ``inference_copy_mib``, ``speedup``
-    (peer generate / engine generate + refresh) and ``e2e_speedup``. A setup that fails is reported in ``note``.
+    time), ``peak_mem_mib`` (CUDA only), ``failed``, ``error``, ``note``; hybrid rows add ``injected``,
+    ``inference_copy_mib``, ``speedup`` (peer generate / engine generate + refresh) and ``e2e_speedup`` (when both
+    ran). A contender that raises gets ``failed=True``, its error and no figures; the other one still runs.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows: list[dict] = []
@@ -181,8 +216,13 @@ def run_hybrid_bench(
             raise ValueError(f"unknown hybrid bench mode {mode!r}; use 'full' and/or 'lora'")
         try:
             rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed)
-        except Exception as e:  # noqa: BLE001 - reported in the rows, the other setup still runs
-            note = f"n/a: {type(e).__name__}: {e!s:.160}"
+        except Exception as e:  # noqa: BLE001 - the setup failed (model, peft): both rows failed, the other setup runs
+            from ..bench import _error_text
+
             peer = "peft" if mode == "lora" else "hf"
-            rows += [_row(p, mode, preset, batch, prompt_len, new_tokens, {}, dev, note=note) for p in (peer, "hybrid")]
+            error = f"setup: {_error_text(e)}"
+            no_times = {"generate_ms": [], "train_ms": [], "e2e_ms": []}  # the row's keys, no figures
+            rows += [
+                _row(p, mode, preset, batch, prompt_len, new_tokens, no_times, dev, error) for p in (peer, "hybrid")
+            ]
     return rows
