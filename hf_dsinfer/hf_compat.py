@@ -85,3 +85,102 @@ def compile_config_all_devices(compile_config: Any) -> Any:
     if hasattr(compile_config, "_compile_all_devices"):
         compile_config._compile_all_devices = True
     return compile_config
+
+
+def resolve_cache(cache: Any, past_key_values: Any, where: str = "forward") -> Any:
+    """The cache a forward was given under either name (see :func:`pop_cache`)."""
+    kwargs = {"cache": cache, "past_key_values": past_key_values}
+    return pop_cache(kwargs, where)
+
+
+def cache_field(output_cls: type) -> str:
+    """The name of the cache field of a transformers output dataclass (``cache`` since 5.24)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(output_cls)}
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def make_output(output_cls: type, cache: Any = None, **fields: Any) -> Any:
+    """Build a transformers output dataclass with ``cache`` under the field name the installed release uses."""
+    return output_cls(**fields, **{cache_field(output_cls): cache})
+
+
+def output_cache(output: Any) -> Any:
+    """The cache an output carries, read under the installed release's field name (no deprecation shim involved)."""
+    if isinstance(output, dict) and not hasattr(output, "__dataclass_fields__"):
+        return output.get("cache", output.get("past_key_values"))
+    return getattr(output, cache_field(type(output)), None)
+
+
+# -- config and model internals --------------------------------------------------------------------------------------
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a config selects (``config._attn_implementation``)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_config_attn_implementation(config: Any, name: str | None) -> None:
+    """Select ``name`` on a config that a single module holds apart from its model's (AutoTP's per-rank copies): the
+    model-level switch (``PreTrainedModel.set_attn_implementation``) does not reach it."""
+    config._attn_implementation = name
+
+
+def has_attn_implementation(config: Any) -> bool:
+    """Whether ``config`` is a transformers config that carries an attention implementation."""
+    return hasattr(config, "_attn_implementation")
+
+
+def supports_attention_backend(model_cls: type) -> bool:
+    """Whether a model class's attention modules call transformers' ``AttentionInterface``."""
+    return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+def model_from_config(model_cls: type, config: Any, **kwargs: Any) -> Any:
+    """A randomly initialized ``model_cls`` for ``config`` (``PreTrainedModel._from_config``: dtype handling and
+    attention-implementation checks as ``from_pretrained`` does them)."""
+    return model_cls._from_config(config, **kwargs)
+
+
+def mark_initialized(param: Any) -> None:
+    """Tell transformers' weight initialization to leave ``param`` alone (it holds loaded or computed values)."""
+    param._is_hf_initialized = True
+
+
+def pad_token_id(generation_config: Any) -> int | None:
+    """The id ``generate`` pads finished rows with: ``pad_token_id``, else the first ``eos_token_id`` (what
+    transformers' ``generate`` falls back to, with its own warning)."""
+    pad = generation_config.pad_token_id
+    if pad is not None:
+        return int(pad)
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return None
+    if isinstance(eos, int):
+        return eos
+    eos = eos.tolist() if hasattr(eos, "tolist") else list(eos)
+    return int(eos[0]) if eos else None
+
+
+# -- registration ----------------------------------------------------------------------------------------------------
+
+
+def register_quantization_method(name: str, config_cls: type, quantizer_cls: type) -> None:
+    """Map ``quant_method=name`` to ``config_cls`` / ``quantizer_cls`` through transformers' public registration
+    functions. Idempotent; a re-registration with other classes (a module reloaded) replaces the stale ones."""
+    # transformers.quantizers.auto, not the package: this runs from a hook while the package is still importing.
+    from transformers.quantizers import auto
+
+    config_map = auto.AUTO_QUANTIZATION_CONFIG_MAPPING
+    quantizer_map = auto.AUTO_QUANTIZER_MAPPING
+    if config_map.get(name) is config_cls and quantizer_map.get(name) is quantizer_cls:
+        return
+    # register_* refuse a name that is taken: drop our own stale entries first (never another method's).
+    for mapping in (config_map, quantizer_map):
+        if name in mapping and mapping[name].__module__.startswith("hf_dsinfer"):
+            del mapping[name]
+    if name not in config_map:
+        auto.register_quantization_config(name)(config_cls)
+    if name not in quantizer_map:
+        auto.register_quantizer(name)(quantizer_cls)

@@ -104,8 +104,10 @@ def test_hf_loop_requests_run_on_the_static_cache():
 
 
 def test_ineligible_model_keeps_hf_modules_with_the_reason():
-    """GPT-J's attention computes its own scores (no AttentionInterface): it keeps HF's path, with the reason."""
-    config = transformers.AutoConfig.for_model("gptj", vocab_size=500, n_embd=96, n_head=6, n_layer=1, rotary_dim=8)
+    """XGLM's attention computes its own scores (no AttentionInterface, 5.17 through 5.24): it keeps HF's path, with
+    the reason. (GPT-J was the example until transformers 5.24 moved it onto the AttentionInterface.)"""
+    config = transformers.AutoConfig.for_model("xglm", vocab_size=500, d_model=96, attention_heads=6, num_layers=1,
+                                               ffn_dim=128)  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     reason = install_generic(model, hf_dsinfer.InferenceConfig(dtype="fp32"))
     assert reason == "its attention modules do not call transformers' AttentionInterface"

@@ -30,14 +30,16 @@ from torch import nn
 
 from .decode import DecodeGraphs, DecodeStep
 from .forward_graphs import install_forward_graphs
-from .loop import CURRENT_CALL, CallContext, check_capacity, decoding_loop, warn_fallback
+from .loop import CURRENT_CALL, CallContext, FastLoopDeclined, check_capacity, decoding_loop, warn_fallback
+from .processors import fast_loop_blocker, resolve_generation_config, stop_string_criteria
 from .stats import StepTimer, forward_marks, record_stats
 
 GEN_ATTR = "_dsinfer_generation"
 
-# generate() arguments that select something other than the plain greedy / sampling loop
+# generate() arguments that select something other than the plain greedy / sampling loop (a user cache under either
+# name: continuing from it runs transformers' loop on the fused forward, which trims what the cache holds)
 _HF_ONLY_ARGS = ("assistant_model", "custom_generate", "prefix_allowed_tokens_fn", "negative_prompt_ids",
-                 "negative_prompt_attention_mask", "past_key_values", "inputs_embeds", "cache_implementation",
+                 "negative_prompt_attention_mask", "past_key_values", "cache", "inputs_embeds", "cache_implementation",
                  "assistant_tokenizer", "synced_gpus", "trust_remote_code")  # fmt: skip
 
 
@@ -114,12 +116,11 @@ def _prompt_width(args: tuple, kwargs: dict[str, Any]) -> int | None:
 
 
 def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> tuple[str | None, Any]:
-    """(why transformers' loop must run, or None for the fast loop; the resolved generation config or None)."""
-    gen_config = None
-    try:
-        gen_config, _ = self._prepare_generation_config(kwargs.get("generation_config"), **{
-            k: v for k, v in kwargs.items() if k != "generation_config"})  # fmt: skip
-    except Exception:  # noqa: BLE001 - transformers will raise the same error, with its own message, below
+    """(why transformers' loop must run, or None for the fast loop; the resolved generation config or None).
+
+    Decided before generation from the arguments and public ``GenerationConfig`` fields only."""
+    gen_config = resolve_generation_config(self, kwargs)
+    if gen_config is None:
         return _INVALID_CONFIG, None
     if state.runtime is None:
         return "no fused layers", gen_config
@@ -133,11 +134,7 @@ def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[st
     width_ok = _prompt_width(args, kwargs) is not None
     if not width_ok:
         return "a call without input_ids", gen_config
-    if gen_config.num_beams != 1 or getattr(gen_config, "num_beam_groups", 1) not in (1, None):
-        return "beam search", gen_config
-    if getattr(gen_config, "penalty_alpha", None) is not None or getattr(gen_config, "prompt_lookup_num_tokens", None):
-        return "contrastive search / prompt lookup", gen_config
-    return None, gen_config
+    return fast_loop_blocker(gen_config), gen_config
 
 
 def _max_new_tokens(gen_config: Any, width: int) -> int:
@@ -171,18 +168,17 @@ def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict
     timer = StepTimer(p.device if p is not None else "cpu")
     call = CallContext(state=state, timer=timer, streamer=kwargs.get("streamer"))
     timer.start()
+    out = None
     if reason is None:
         token = CURRENT_CALL.set(call)
-        tokenizer = kwargs.get("tokenizer")
-        if tokenizer is not None:
-            # transformers drops `tokenizer` for custom_generate callables, but its stop-string criteria need it.
-            object.__setattr__(self, "_get_stopping_criteria", _criteria_with_tokenizer(self, tokenizer))
         try:
-            out = state.hf_generate(*args, custom_generate=decoding_loop, **kwargs)
+            out = state.hf_generate(*args, custom_generate=decoding_loop, **_fast_kwargs(kwargs, gen_config))
+        except FastLoopDeclined as declined:  # found once transformers built the processors; nothing was emitted
+            reason = declined.reason
+            call.path, call.new_tokens = "hf", 0
         finally:
             CURRENT_CALL.reset(token)
-            self.__dict__.pop("_get_stopping_criteria", None)
-    else:
+    if reason is not None:
         if reason not in ("no fused layers", _INVALID_CONFIG):  # an invalid config: transformers raises, no warning
             warn_fallback(reason)
         call.path = "hf"
@@ -225,13 +221,18 @@ def _check_input_ids(model: nn.Module, ids: Any, mask: Any = None) -> None:
         )
 
 
-def _criteria_with_tokenizer(model: nn.Module, tokenizer: Any):
-    """``model._get_stopping_criteria`` that falls back to ``tokenizer`` (for one call)."""
-    method = type(model)._get_stopping_criteria
+def _fast_kwargs(kwargs: dict[str, Any], gen_config: Any) -> dict[str, Any]:
+    """``generate``'s arguments for a fast-loop call.
 
-    def get(*args: Any, **kwargs: Any):
-        if kwargs.get("tokenizer") is None:
-            kwargs["tokenizer"] = tokenizer
-        return method(model, *args, **kwargs)
-
-    return get
+    * The streamer is held by the call context (the loop feeds it the prompt and the tokens), so a request the loop
+      declines after transformers' preparation can rerun on transformers' loop without streaming the prompt twice.
+    * transformers hands no ``tokenizer`` to a ``custom_generate`` callable, which its stop-string criterion needs: the
+      loop gets that criterion built here instead (with ``stop_strings`` cleared so transformers does not build one).
+    """
+    out = {k: v for k, v in kwargs.items() if k != "streamer"}
+    stops = getattr(gen_config, "stop_strings", None)
+    tokenizer = kwargs.get("tokenizer")
+    if stops and tokenizer is not None:
+        out["stopping_criteria"] = stop_string_criteria(tokenizer, stops)
+        out["stop_strings"] = None
+    return out

@@ -4,8 +4,9 @@ transformers does all the preparation (generation config, special tokens, attent
 ``num_return_sequences`` expansion, processors, criteria, the streamer's prompt) and hands over to
 :func:`decoding_loop`, which prefills through the injected model's forward and then runs
 :class:`~hf_dsinfer.generation.decode.DecodeStep` (eagerly, or replayed as CUDA graphs) with the processors of a
-:class:`~hf_dsinfer.generation.processors.DecodePlan`. Requests the plan cannot express run transformers' own
-``_sample`` on the same model instead (one warning per reason).
+:class:`~hf_dsinfer.generation.processors.DecodePlan`. Requests the plan cannot express are declined
+(:class:`FastLoopDeclined`, before anything is emitted) and rerun through transformers' public ``generate`` on the
+same model (one warning per reason); the loop never calls ``GenerationMixin``'s private methods.
 
 Stop checks need the host; with no streamer or host-side criteria they run every few steps on CUDA, and steps taken
 past the true end are undone (tokens trimmed, cache lengths rolled back), so the output equals transformers'.
@@ -18,14 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation import GenerateDecoderOnlyOutput
 
+from .. import hf_compat
 from ..log import logger
 from .processors import DecodePlan, StepProcessor, plan_decoding
-from .stats import StepTimer, forward_marks
+from .stats import StepTimer
 
 # model kwargs transformers prepares for a decoder-only model that the fast loop understands
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep",
                        "cache_position", "return_dict"}  # fmt: skip
 _SYNC_EVERY_CUDA = 8  # decode steps between stop checks when nothing else needs the host
 
@@ -41,6 +43,14 @@ class CallContext:
     new_tokens: int = 0
     batch: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+class FastLoopDeclined(Exception):
+    """Raised by :func:`decoding_loop` before it emits anything when a request needs transformers' loop."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 CURRENT_CALL: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("hf_dsinfer_call", default=None)
@@ -71,9 +81,9 @@ def _unsupported(generation_config, model_kwargs: dict[str, Any]) -> str | None:
     extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
     if extra:
         return f"model inputs {extra}"
-    past = model_kwargs.get("past_key_values")
+    past = hf_compat.pop_cache(dict(model_kwargs), "generate")
     if past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0:
-        return "a filled past_key_values"
+        return "a filled cache"
     return None
 
 
@@ -95,16 +105,9 @@ def decoding_loop(
     reason = _unsupported(generation_config, model_kwargs)
     plan: DecodePlan | str = reason or plan_decoding(logits_processor, stopping_criteria, generation_config.do_sample)
     if isinstance(plan, str):
-        warn_fallback(plan)
-        call.path = "hf"
-        with forward_marks(self, call.timer):
-            out = GenerationMixin._sample(
-                self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
-            )  # fmt: skip
-        seqs = out if isinstance(out, torch.Tensor) else out.sequences
-        call.batch, call.new_tokens = seqs.shape[0], seqs.shape[1] - input_ids.shape[1]
-        return out
+        raise FastLoopDeclined(plan)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # what transformers' generate does before its loop (the call holds the streamer)
     return _fast(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
 
 
@@ -134,10 +137,10 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
         call.path = "fast+graphs"
 
     # -- prefill (the injected forward starts a fresh sequence in the static cache) --
-    out = self(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=None,
-               use_cache=True, logits_to_keep=1, return_dict=True)  # fmt: skip
+    out = self(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+               return_dict=True)  # fmt: skip  (no cache: the injected forward starts a fresh sequence)
     logits = out.logits[:, -1].float()  # [B, V]
-    handle = out.past_key_values
+    handle = hf_compat.output_cache(out)
     del out
     proc = StepProcessor(plan, input_ids, logits.shape[-1], generator)
 
@@ -150,7 +153,8 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     alive = torch.ones(n_new, dtype=torch.bool, device=device)  # alive[i]: a row is unfinished after token i
     eos = plan.eos.to(device) if plan.eos is not None else None
-    pad = generation_config._pad_token_tensor
+    pad_id = hf_compat.pad_token_id(generation_config)
+    pad = torch.tensor(pad_id, device=device) if pad_id is not None else None
     if eos is not None and pad is None:
         raise ValueError("generation needs pad_token_id when eos_token_id is set (finished rows are padded)")
     scores_out: list[torch.Tensor] = []
@@ -171,7 +175,7 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
         if keep_scores:
             scores_out.append(scores.clone())
         if eos is not None:
-            tok = torch.where(unfinished, tok, pad.to(device))  # finished rows get padding, as in transformers
+            tok = torch.where(unfinished, tok, pad)  # finished rows get padding, as in transformers
         seq[:, prompt_len + i] = tok
         proc.observe(tok)
         if eos is not None:
@@ -199,11 +203,12 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
     sequences = seq[:, : prompt_len + length]
     if not return_dict:
         return sequences
-    return GenerateDecoderOnlyOutput(
+    return hf_compat.make_output(
+        GenerateDecoderOnlyOutput,
         sequences=sequences,
         scores=tuple(scores_out[:length]) if keep_scores else None,
         logits=tuple(logits_out[:length]) if keep_logits else None,
         attentions=None,
         hidden_states=None,
-        past_key_values=handle,
+        cache=handle,
     )

@@ -13,9 +13,12 @@ the reason, and the request runs through transformers' loop instead: nothing is 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
@@ -45,6 +48,53 @@ class DecodePlan:
     @property
     def warps(self) -> bool:
         return self.do_sample and (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0)
+
+
+def resolve_generation_config(model: Any, kwargs: dict[str, Any]) -> GenerationConfig | None:
+    """The generation config a ``generate(**kwargs)`` call will run with, from public API only: the given
+    ``generation_config`` (or the model's) updated with the call's keyword arguments. None when it is invalid
+    (transformers' ``generate`` then raises its own error)."""
+    base = kwargs.get("generation_config") or getattr(model, "generation_config", None) or GenerationConfig()
+    try:
+        config = copy.deepcopy(base)
+        config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+        config.validate()
+    except Exception:  # noqa: BLE001 - transformers raises the same error, with its own message, in generate
+        return None
+    return config
+
+
+# GenerationConfig fields that select a decoding mode or a logits processor the fast loop does not reproduce. Checked
+# before generation; a value other than GenerationConfig()'s default sends the request to transformers' loop.
+_BLOCKING_FIELDS = (
+    "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "prompt_lookup_num_tokens",
+    "assistant_early_exit", "dola_layers", "low_memory", "constraints", "force_words_ids", "guidance_scale",
+    "sequence_bias", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
+    "watermarking_config", "epsilon_cutoff", "eta_cutoff", "typical_p", "top_h", "renormalize_logits",
+    "token_healing", "output_attentions", "output_hidden_states",
+)  # fmt: skip
+_DEFAULTS = GenerationConfig()
+
+
+def fast_loop_blocker(config: GenerationConfig) -> str | None:
+    """Why the fast loop cannot run a request with ``config`` (None: it can), from its public fields."""
+    for name in _BLOCKING_FIELDS:
+        value = getattr(config, name, None)
+        if value is None or value is False or value == getattr(_DEFAULTS, name, None):
+            continue
+        if name == "num_beams":
+            return "beam search"
+        if name in ("penalty_alpha", "prompt_lookup_num_tokens"):
+            return "contrastive search / prompt lookup"
+        return f"generation_config.{name}={value!r}"
+    return None
+
+
+def stop_string_criteria(tokenizer: Any, stop_strings: Any) -> sc.StoppingCriteriaList:
+    """transformers' stop-string criterion for ``stop_strings`` (str or list), as a criteria list."""
+    return sc.StoppingCriteriaList([sc.StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)])
 
 
 def _eos_tensor(value) -> torch.Tensor:

@@ -37,12 +37,11 @@ def register() -> None:
 
 
 def register_quantization_method() -> None:
-    """Map ``quant_method="dsinfer"`` to ``InferenceConfig``/``DsInferQuantizer`` (``transformers.quantizers.auto``)."""
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+    """Map ``quant_method="dsinfer"`` to ``InferenceConfig``/``DsInferQuantizer`` (transformers' public
+    ``register_quantization_config`` / ``register_quantizer``, through the compat boundary: idempotent)."""
+    from ..hf_compat import register_quantization_method as register
 
-    # Assigned directly (not through register_*) so a re-import after importlib.reload replaces stale classes.
-    AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = InferenceConfig
-    AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = DsInferQuantizer
+    register(QUANT_METHOD, InferenceConfig, DsInferQuantizer)
 
 
 def install_from_pretrained_hook() -> None:

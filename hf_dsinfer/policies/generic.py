@@ -33,6 +33,7 @@ from torch import nn
 
 from hf_dsinfer.kernels import decode_attention, prefill_attention, store_kv
 
+from .. import hf_compat
 from ..modules import StaticKVCache, StepContext
 from ..modules.attention import AttentionSpec, _sync_free_decode
 from .base import Policy
@@ -175,7 +176,7 @@ _KNOWN_LOGIT_STEPS = ("softcapping", "logits_scaling", "logit_scale", "torch.tan
 def generic_path_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the generic path (None: it can)."""
     config = getattr(model, "config", None)
-    if config is None or not getattr(type(model), "_supports_attention_backend", False):
+    if config is None or not hf_compat.supports_attention_backend(type(model)):
         return "its attention modules do not call transformers' AttentionInterface"
     if getattr(config, "is_encoder_decoder", False) or not model.can_generate():
         return "it is not a decoder-only generative model"
@@ -186,8 +187,9 @@ def generic_path_reason(model: nn.Module) -> str | None:
         return "it is not a plain *ForCausalLM with a text config"
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return "its attention soft-caps scores (HF's SDPA fallback would not)"
-    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-        return f"attn_implementation={config._attn_implementation!r} was chosen"
+    chosen = hf_compat.attn_implementation(config) or "sdpa"
+    if chosen not in ("sdpa", "eager"):
+        return f"attn_implementation={chosen!r} was chosen"
     if any(getattr(text, key, None) is None for key in ("num_hidden_layers", "num_attention_heads")):
         return "its config does not give the layer and head counts"
     for line in _forward_source(model).splitlines():
@@ -216,7 +218,7 @@ def _module_configs(model: nn.Module) -> list[Any]:
     found: dict[int, Any] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in own and hasattr(config, "_attn_implementation"):
+        if config is not None and id(config) not in own and hf_compat.has_attn_implementation(config):
             found[id(config)] = config
     return list(found.values())
 
@@ -237,13 +239,13 @@ def install_generic(model: nn.Module, cfg: Any, tp: Any = None) -> str | None:
     layers = next((m for m in base.modules() if isinstance(m, nn.ModuleList)), None)
     if layers is None:
         return "it has no layer list"
-    previous = model.config._attn_implementation
+    previous = hf_compat.attn_implementation(model.config)
     cache = _cache_for(model, int(cfg.max_out_tokens), int(cfg.max_batch_size), tp.config if tp is not None else None)
     runtime = GenericRuntime(GenericPolicy(model), layers, cache, type(base).forward)
-    copies = [(c, c._attn_implementation) for c in _module_configs(model)]
+    copies = [(c, hf_compat.attn_implementation(c)) for c in _module_configs(model)]
     model.set_attn_implementation(IMPLEMENTATION)
     for config, _ in copies:
-        config._attn_implementation = IMPLEMENTATION
+        hf_compat.set_config_attn_implementation(config, IMPLEMENTATION)
     # One 2-token forward proves every layer's attention reached the function with the step context (a model that
     # does not forward HF's **kwargs to attention would silently attend without the cache).
     _PROBE = []
@@ -263,7 +265,7 @@ def install_generic(model: nn.Module, cfg: Any, tp: Any = None) -> str | None:
     if reason:
         model.set_attn_implementation(previous)
         for config, implementation in copies:
-            config._attn_implementation = implementation
+            hf_compat.set_config_attn_implementation(config, implementation)
         return reason
     install_causal_lm_forward(model, runtime)
     setattr(model, GENERIC_ATTR, GenericRecord(runtime, previous))
@@ -287,4 +289,4 @@ def inference_path(model_type: str) -> str:
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    return "generic" if cls is not None and getattr(cls, "_supports_attention_backend", False) else "hf"
+    return "generic" if cls is not None and hf_compat.supports_attention_backend(cls) else "hf"

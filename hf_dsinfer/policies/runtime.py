@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from .. import hf_compat
 from ..modules import FusedNorm, RotaryTable, StaticKVCache, StepContext
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class Runtime:
         if not fresh and batch != cache.batch:
             raise ValueError(
                 f"batch {batch} differs from the batch {cache.batch} of the cached sequence; "
-                "start a new sequence (past_key_values=None)."
+                "start a new sequence (pass no cache)."
             )
         past = 0 if fresh else cache.padded_len
         start = self._start_offsets(attention_mask, batch, width, past, device)  # [B] int32
@@ -198,6 +199,11 @@ class InjectedCache(Cache):
 
     ``get_seq_length()`` is the padded sequence length HF believes in (prompt width plus generated tokens); the
     real per-row lengths live on the device. It is valid until the model starts another sequence.
+
+    It holds no transformers cache layers (``layers=[]``), so every ``Cache`` member that reads ``self.layers`` is
+    overridden here: inherited, they would describe an empty cache (``all([]) is True`` made it look "linear" to
+    5.24's ``generate``, which then skipped trimming the tokens already cached). ``tests/test_injected_cache.py``
+    fails when a transformers release adds a ``Cache`` member this class does not decide on (:data:`CACHE_MEMBERS`).
     """
 
     def __init__(self, runtime: Runtime):
@@ -211,6 +217,24 @@ class InjectedCache(Cache):
     def __repr__(self) -> str:
         return f"InjectedCache(seq_len={self.get_seq_length()}, batch={self.batch_size})"
 
+    # -- what kind of cache this is (one entry per layer: full attention, in the static cache) ----------------------
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self)  # attention layers: generate trims tokens already cached
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self)  # every position is kept (the fused layers apply any window themselves)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True  # crop() rolls back the lengths exactly (assisted decoding, prompt lookup)
+
     @property
     def is_compileable(self) -> bool:
         return False  # keeps generate on 2D masks (the fused forward derives padding from them)
@@ -223,19 +247,47 @@ class InjectedCache(Cache):
     def batch_size(self) -> int:
         return self.runtime.cache.batch
 
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        return False  # nothing is dropped from the static cache, so there is no past to record
+
+    def activate_past_recording(self) -> None:
+        return None  # see is_recording_past
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return False  # no linear-attention (recurrent) layers
+
+    # -- lengths ------------------------------------------------------------------------------------------------------
+
     def _live(self) -> StaticKVCache:
         if self.epoch != self.runtime.cache.epoch:
-            raise ValueError("this past_key_values is stale: the model has started another sequence since.")
+            raise ValueError("this cache is stale: the model has started another sequence since.")
         return self.runtime.cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._live().padded_len
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.runtime.cache.max_tokens
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the last tokens of every row: ``crop(-n)`` removes ``n`` tokens (transformers 5.24's
+        convention); a positive value is the length to keep (the older ``crop(max_length)``)."""
+        cache = self._live()
+        n = -tokens_to_remove if tokens_to_remove <= 0 else cache.padded_len - tokens_to_remove
+        if n <= 0:
+            return
+        if n > cache.padded_len:
+            raise ValueError(f"cannot remove {n} tokens from a cache of {cache.padded_len}")
+        cache.lengths[: cache.batch] -= n  # the slots past the new lengths are overwritten by the next step
+        cache.padded_len -= n
+
+    # -- writes: the fused layers own them ---------------------------------------------------------------------------
 
     def update(self, *args: Any, **kwargs: Any):
         raise RuntimeError("InjectedCache is written by the fused layers only; HF attention modules cannot update it.")
@@ -246,14 +298,29 @@ class InjectedCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._live().reorder(beam_idx)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("cropping the fused static cache (assisted decoding) is not supported yet")
-
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("expanding the fused static cache after prefill is not supported")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("selecting rows of the fused static cache is not supported")
+
+    def early_initialization(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the static cache is allocated when the model is injected
+
+    def offload(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("offloading the fused static cache is not supported")
+
+    def prefetch(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("offloading the fused static cache is not supported")
+
+    def _no_state(self, *args: Any, **kwargs: Any):
+        raise RuntimeError("the fused static cache holds attention keys and values only (no recurrent/indexer state)")
+
+    get_conv_state = get_recurrent_state = update_conv_state = update_recurrent_state = update_indexer = _no_state
+
+
+# Every public ``Cache`` member the installed transformers has must be decided on here (tests/test_injected_cache.py).
+CACHE_MEMBERS_INHERITED = frozenset({"__init__"})  # members whose inherited behaviour is right as it is
 
 
 def _slice_to_keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -271,18 +338,21 @@ def install_causal_lm_forward(model: nn.Module, runtime: Runtime) -> None:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: Any = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast | tuple:
-        """Fused replacement of the base model's forward: last hidden state and the cache handle."""
-        hidden, cache = runtime.run(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs
-        )
-        out = BaseModelOutputWithPast(
-            last_hidden_state=hidden, past_key_values=cache if use_cache is not False else None
+        """Fused replacement of the base model's forward: last hidden state and the cache handle.
+
+        The cache comes as ``cache`` (transformers 5.24+) or ``past_key_values`` (earlier releases, and callers that
+        keep the old name)."""
+        past = hf_compat.resolve_cache(cache, past_key_values)
+        hidden, handle = runtime.run(self, input_ids, inputs_embeds, attention_mask, position_ids, past, kwargs)
+        out = hf_compat.make_output(
+            BaseModelOutputWithPast, last_hidden_state=hidden, cache=handle if use_cache is not False else None
         )
         return out if return_dict is not False else out.to_tuple()
 
@@ -291,25 +361,26 @@ def install_causal_lm_forward(model: nn.Module, runtime: Runtime) -> None:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
+        past_key_values: Any = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
-        """Fused replacement of the causal LM's forward (same arguments and outputs as HF's)."""
-        hidden, cache = runtime.run(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs
-        )
+        """Fused replacement of the causal LM's forward (same arguments and outputs as HF's; the cache under either
+        name, see ``base_forward``)."""
+        past = hf_compat.resolve_cache(cache, past_key_values)
+        hidden, handle = runtime.run(self, input_ids, inputs_embeds, attention_mask, position_ids, past, kwargs)
         logits = self.get_output_embeddings()(_slice_to_keep(hidden, logits_to_keep))  # [B, T', V]
         logits = runtime.policy.finalize_logits(self, logits)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        out = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=cache if use_cache is not False else None
+        out = hf_compat.make_output(
+            CausalLMOutputWithPast, loss=loss, logits=logits, cache=handle if use_cache is not False else None
         )
         return out if return_dict is not False else out.to_tuple()
 
