@@ -22,7 +22,7 @@ class AttentionSpec:
     ``rotary``: apply the model's rotary table (False for learned/absolute positions). ``sliding_window`` W: each
     query sees its last W positions. ``softcap``: ``cap * tanh(s / cap)`` on the scores. ``qk_norm``: a norm over
     each head of q and k before rotary (qwen3). ``causal``: False for encoders: every token attends every real token
-    of its row (right padding, lengths in ``StepContext.key_lens``), with no KV cache. ``qk_norm_full_width``: the
+    of its row (its first ``StepContext.key_lens`` slots), with no KV cache. ``qk_norm_full_width``: the
     q (k) norm runs over all heads together, weights ``[Hq * D]`` / ``[Hk * D]`` (olmo2), not per head.
     ``alibi_slopes``: one ALiBi slope per query head (bloom; with ``rotary=False``): each score gets
     ``slope * j`` for the key at position ``j`` of the row. ``qk_norm_split`` (tensor parallelism, with
@@ -59,7 +59,11 @@ class AttentionSpec:
 
 
 def unpack_rows(packed: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """``packed [N, ...]`` real tokens -> ``[B, T, ...]`` right-padded rows (``ctx.padded_shape``), zeros at padding."""
+    """``packed [N, ...]`` tokens -> ``[B, T, ...]`` rows (``ctx.padded_shape``) at slots ``ctx.token_index``.
+
+    Each row holds its real tokens first (the keys, ``ctx.key_lens[b]`` of them), then any padding query the caller
+    kept (its first position); empty slots are zeros.
+    """
     B, T = ctx.padded_shape
     rows = packed.new_zeros((B * T, *packed.shape[1:]))
     return rows.index_copy_(0, ctx.token_index, packed).view(B, T, *packed.shape[1:])
@@ -72,9 +76,9 @@ class StepContext:
     ``start [B]`` int32: left padding of each row among this step's ``T`` tokens. ``cache_lens [B]`` int32: real
     tokens cached per row before this step. ``seq_lens [B]``: lengths after a single-token step (decode only).
     ``positions [B*T]``: rotary position of each token. ``rotary``: the model's table (None without rotary).
-    ``key_lens [B]``: encoders only (non-causal attention, ``cache`` None): real tokens per right-padded row.
-    ``token_index [N]`` with ``padded_shape (B, T)``: encoders run on the real tokens only (``[1, N, C]`` packed from
-    the right-padded ``[B, T]`` grid); attention scatters them back to rows (see :func:`unpack_rows`).
+    ``key_lens [B]``: encoders only (non-causal attention, ``cache`` None): real tokens per row, which come first.
+    ``token_index [N]`` with ``padded_shape (B, T)``: encoders run on the real tokens only (``[1, N, C]`` packed);
+    attention scatters them to slots of a ``[B, T]`` grid, real tokens first in each row (see :func:`unpack_rows`).
     """
 
     cache: StaticKVCache | None
@@ -125,6 +129,23 @@ class StepContext:
         else:
             q, k = qkv[:, :, :num_heads], qkv[:, :, num_heads : num_heads + num_kv_heads]
             rotary(q.view(B * T, num_heads, D), k.view(B * T, num_kv_heads, D), self.positions)
+
+
+@dataclass
+class PagedStepContext(StepContext):
+    """A ragged step over the paged KV cache (continuous batching, ``hf_dsinfer.serving``).
+
+    The step's ``T`` tokens of ``S`` sequences run as one row ``[1, T, C]``; sequence ``s`` owns tokens
+    ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``, the last of its ``seq_lens_k[s]`` keys. ``cache`` is a
+    :class:`~.kv_cache.PagedKVCache`; ``block_tables [S, MB]`` int32 its blocks per sequence; ``slot_mapping [T]``
+    int64 where each new token's key/value goes. ``positions [T]``: each token's position in its sequence.
+    ``start`` and ``cache_lens`` of the static path are unused (empty).
+    """
+
+    block_tables: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    seq_lens_k: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
 
 
 class FusedAttention(nn.Module):
@@ -186,13 +207,16 @@ class FusedAttention(nn.Module):
                 self.rotary.to(qkv.device)  # before any graph capture: the first (prefill) step moves it
             ctx.rotate(qkv, Hq, Hk, self.rotary)
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hk], qkv[:, :, Hq + Hk :]  # views, no copy
+        if isinstance(ctx, PagedStepContext):
+            out = self._paged(q[0], k[0], v[0], ctx)  # [T, Hq, D]
+            return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         if not s.causal:
             if ctx.key_lens is None:
                 raise RuntimeError("non-causal attention needs StepContext.key_lens (real tokens per row)")
             if ctx.token_index is None:
                 out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B, T, Hq, D]
                 return self.o(out.reshape(B, T, Hq * D), defer_reduce)
-            # packed real tokens [1, N, ...]: back to right-padded rows for attention, then packed again
+            # packed tokens [1, N, ...]: to rows for attention (real keys first in each row), then packed again
             q, k, v = unpack_rows(qkv[0], ctx).split((Hq, Hk, Hk), dim=2)  # [B', T', H, D] each, zero padding
             out = encoder_attention(q, k, v, ctx.key_lens, s.scale)  # [B', T', Hq, D]
             out = out.reshape(-1, Hq * D).index_select(0, ctx.token_index)  # [N, Hq * D]
@@ -222,6 +246,20 @@ class FusedAttention(nn.Module):
                 alibi_slopes=self.alibi_slopes,
             )  # [B, T, Hq, D]
         return self.o(out.reshape(B, T, Hq * D), defer_reduce)  # [B, T, C]
+
+    def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PagedStepContext) -> torch.Tensor:
+        """Store this step's ``k``/``v [T, Hk, D]`` in the paged cache and attend ``q [T, Hq, D]``; ``[T, Hq, D]``."""
+        from hf_dsinfer.kernels.paged_attention import paged_attention, store_paged_kv
+
+        s = self.spec
+        if self.alibi_slopes is not None or not s.causal:  # the serving engine refuses such models up front
+            raise RuntimeError("paged attention serves causal attention without ALiBi only")
+        k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [NB, BS, Hk, D]
+        store_paged_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return paged_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens_k, s.scale,
+            softcap=s.softcap, sliding_window=s.sliding_window,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         s = self.spec

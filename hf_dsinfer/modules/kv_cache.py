@@ -155,3 +155,57 @@ class StaticKVCache:
         """Free the buffers (they are allocated again on next use)."""
         self.keys, self.values, self.lengths = [], [], None
         self.reset()
+
+
+class PagedKVCache:
+    """The paged KV cache of continuous batching (``hf_dsinfer.serving``): per layer a pool of fixed-size blocks.
+
+    Layer ``i`` holds ``k``/``v`` of shape ``[num_blocks, block_size, kv_heads[i], head_dims[i]]``; a block id means
+    the same token slots in every layer. Which request owns which block is the serving block manager's business;
+    this class only holds the buffers, allocated once (zeros) on first use.
+    """
+
+    def __init__(self, kv_heads: list[int], head_dims: list[int], num_blocks: int, block_size: int):
+        self.kv_heads, self.head_dims = list(kv_heads), list(head_dims)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def nbytes_for(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * self.num_blocks * self.block_size * h * d * elem for h, d in zip(self.kv_heads, self.head_dims))
+
+    def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the buffers on ``device`` in ``dtype`` unless they already are; raises ``MemoryError`` naming the
+        settings to lower when they do not fit."""
+        if self.keys and self.keys[0].device == device and self.keys[0].dtype == dtype:
+            return
+        need = self.nbytes_for(dtype)
+        hint = (
+            f"The paged KV cache of {self.num_blocks} blocks x {self.block_size} tokens needs {need / 2**30:.2f} GiB "
+            f"({len(self.kv_heads)} layers, {dtype}) on {device}"
+        )
+        fix = "lower num_blocks (or max_out_tokens * max_batch_size, which size it by default)."
+        free = _device_free_bytes(device)
+        if free is not None and need > free:
+            raise MemoryError(f"{hint}, but only {free / 2**30:.2f} GiB are available; {fix}")
+        self.keys, self.values = [], []
+        try:
+            for h, d in zip(self.kv_heads, self.head_dims):
+                self.keys.append(torch.zeros(self.num_blocks, self.block_size, h, d, device=device, dtype=dtype))
+                self.values.append(torch.zeros(self.num_blocks, self.block_size, h, d, device=device, dtype=dtype))
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+            self.keys, self.values = [], []
+            raise MemoryError(f"{hint}, and allocating it failed ({type(e).__name__}); {fix}") from e
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` block pools of layer ``idx``, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        return self.keys[idx], self.values[idx]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into block ``dst`` in every layer (copy-on-write of a shared block)."""
+        for buf in (*self.keys, *self.values):
+            buf[dst].copy_(buf[src])
+
+    def release(self) -> None:
+        self.keys, self.values = [], []

@@ -1,0 +1,355 @@
+"""``ServingEngine``: continuous batching on a model's fused layers, for servers and ``generate_batch``.
+
+Thread model: any thread may call :meth:`ServingEngine.submit` (and :meth:`RequestHandle.cancel`); one thread steps
+the scheduler, either the engine's own background thread (:meth:`ServingEngine.start` / :meth:`~ServingEngine.stop`)
+or the caller of :meth:`ServingEngine.step` / :meth:`ServingEngine.run_until_idle` (synchronous use, e.g.
+``generate_batch``). New requests join between steps; finished ones leave between steps.
+
+Example (what ``hf-dsinfer serve`` does)::
+
+    engine = ServingEngine(model, block_size=16, max_batch_tokens=256)
+    engine.start()
+    handle = engine.submit(tok("Hello").input_ids, GenerationConfig(max_new_tokens=32, do_sample=False))
+    for token_id in handle:          # new token ids as they are sampled; the loop ends when the request finishes
+        print(tok.decode([token_id]), end="")
+    print(handle.finish_reason)      # "stop" (an EOS token) or "length" (max_new_tokens)
+    engine.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..log import logger
+from .requests import SamplingParams, Sequence
+from .runner import PagedRunner
+from .scheduler import Scheduler
+
+#: Finish reasons a handle can end with. "stop": an EOS token (included in the tokens); "length": max_new_tokens;
+#: "cancelled": :meth:`RequestHandle.cancel` or :meth:`ServingEngine.stop` with ``cancel_pending``; "error": see
+#: :attr:`RequestHandle.error`.
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+_END = object()  # the sentinel closing a handle's token stream
+
+
+@dataclass
+class ServingStats:
+    """Counters of one engine since it was built (:attr:`ServingEngine.stats` returns a snapshot copy).
+
+    ``prompt_tokens``: prompt tokens the admitted requests asked for; ``prefill_tokens_computed``: the ones the model
+    actually ran (fewer with prefix sharing; a preempted request's recomputation counts again);
+    ``prefix_hit_tokens``: prompt tokens served from shared KV blocks. ``busy_s``: wall time spent in steps.
+    """
+
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefix_hit_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    copy_on_write_blocks: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of stepping (0.0 before the first step)."""
+        return self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def prefill_saving(self) -> float:
+        """Fraction of requested prompt tokens not computed thanks to prefix sharing (0.0 with no requests)."""
+        return 1.0 - self.prefill_tokens_computed / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "prefill_saving": self.prefill_saving}
+
+
+class RequestHandle:
+    """One submitted request: iterate it for its new token ids as they come; the iteration ends when it finishes.
+
+    ``tokens``: the tokens generated so far; ``finish_reason`` (None while running): one of :data:`FINISH_REASONS`;
+    ``error``: the message when it failed. Safe to use from any thread.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], on_update: Callable[..., None] | None = None):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.created_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self._stream: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._on_update = on_update
+        self._cancel: Callable[[RequestHandle], None] | None = None  # set by the engine
+
+    # -- the consumer's side ---------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[int]:
+        """New token ids as they are generated (blocking); ends when the request finishes. Iterate it once."""
+        while True:
+            item = self._stream.get()
+            if item is _END:
+                return
+            yield from item
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request finishes (True) or ``timeout`` seconds pass (False)."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All generated tokens once finished; raises ``RuntimeError`` if it failed, ``TimeoutError`` on timeout."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.finish_reason == "error":
+            raise RuntimeError(f"request {self.request_id} failed: {self.error}")
+        return list(self.tokens)
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its blocks are freed before the next step); ends with "cancelled"."""
+        if self._cancel is not None and not self.done:
+            self._cancel(self)
+
+    # -- the engine's side -----------------------------------------------------------------------------------------
+
+    def _push(self, new_tokens: list[int]) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.tokens.extend(new_tokens)
+        self._stream.put(new_tokens)
+        if self._on_update is not None:
+            self._on_update(self, new_tokens, False)
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.done:
+            return
+        self.finish_reason, self.error = reason, error
+        self.finished_time = time.perf_counter()
+        self._done.set()
+        self._stream.put(_END)
+        if self._on_update is not None:
+            self._on_update(self, [], True)
+
+    def __repr__(self) -> str:
+        return f"RequestHandle({self.request_id!r}, tokens={len(self.tokens)}, finish_reason={self.finish_reason!r})"
+
+
+class ServingEngine:
+    """Continuous batching over a paged KV cache on ``model``'s fused layers (a model loaded with an inference
+    config, injected). See docs/serving.md.
+
+    Args:
+        model: the injected ``*ForCausalLM``.
+        block_size: tokens per KV block.
+        num_blocks: blocks in the paged cache (shared by all layers' pools); None: as many tokens as the static cache
+            would hold (``max_out_tokens * max_batch_size`` of the inference config).
+        max_batch_tokens: token budget of one step (decode tokens plus prefill chunks: longer prompts are prefilled
+            in chunks of at most this many tokens).
+        max_num_seqs: requests running at once (the rest wait).
+        prefix_sharing: reuse the KV blocks of identical prompt prefixes (reference-counted, copy-on-write).
+        generation_config: defaults for requests submitted without one (default: the model's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_tokens: int = 256,
+        max_num_seqs: int = 64,
+        prefix_sharing: bool = True,
+        generation_config: Any = None,
+    ):
+        for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
+                            ("max_num_seqs", max_num_seqs)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServingEngine({name}={value!r}): pass a positive integer")
+        self.model = model
+        self.runner = PagedRunner(model, block_size=block_size, num_blocks=num_blocks)
+        self.scheduler = Scheduler(
+            self.runner.blocks, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+            prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,
+        )  # fmt: skip
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self._stats = ServingStats()
+        self._lock = threading.Lock()  # guards _incoming, _cancelled, _stats
+        self._wake = threading.Condition(self._lock)
+        self._incoming: list[Sequence] = []
+        self._cancelled: list[str] = []
+        self._step_lock = threading.Lock()  # one stepping thread at a time
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self._fatal: BaseException | None = None
+
+    # -- requests ----------------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        input_ids: list[int],
+        generation_config: Any = None,
+        *,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        on_update: Callable[[RequestHandle, list[int], bool], None] | None = None,
+    ) -> RequestHandle:
+        """Queue one request; returns its handle at once (the request joins at the next step).
+
+        ``generation_config``: this request's settings (greedy or sampling with temperature / top_k / top_p / min_p
+        / repetition_penalty, ``max_new_tokens``, ``eos_token_id``); default: the engine's. ``on_update(handle,
+        new_tokens, finished)`` is called from the stepping thread after each step that changes the request (keep
+        it short; e.g. ``loop.call_soon_threadsafe`` for asyncio). Invalid settings or a request that can never fit
+        raise ``ValueError`` here.
+        """
+        config = generation_config if generation_config is not None else self.generation_config
+        prompt = [int(t) for t in input_ids]
+        params = SamplingParams.from_generation_config(config, len(prompt), max_new_tokens)
+        self.runner.check_request(prompt, params)
+        self.scheduler.check_fits(len(prompt) + params.max_new_tokens)
+        if self._fatal is not None:
+            raise RuntimeError(f"the serving engine stopped after an error: {self._fatal!r}")
+        rid = request_id if request_id is not None else f"req_{next(self._ids)}"
+        handle = RequestHandle(rid, prompt, on_update)
+        handle._cancel = self._request_cancel
+        seq = Sequence(rid, prompt, params, handle)
+        with self._wake:
+            self._incoming.append(seq)
+            self._stats.requests_submitted += 1
+            self._wake.notify()
+        return handle
+
+    def _request_cancel(self, handle: RequestHandle) -> None:
+        with self._wake:
+            self._cancelled.append(handle.request_id)
+            self._wake.notify()
+
+    # -- stepping ----------------------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._cancelled) or self.scheduler.has_work
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Run one scheduling step (admit, prefill chunks and decode tokens, sample, retire); False when idle."""
+        with self._step_lock:
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+                cancelled, self._cancelled = self._cancelled, []
+            for seq in incoming:
+                self.scheduler.add(seq)
+            for rid in cancelled:
+                self.scheduler.cancel(rid)
+            t0 = time.perf_counter()
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                self._collect(plan.finished, 0.0)
+                return self.scheduler.has_work
+            sampled = self.runner.run(plan)
+            finished = self.scheduler.update(plan, sampled)
+            self._collect(plan.finished + finished, time.perf_counter() - t0, plan)
+            return True
+
+    def _collect(self, finished: list[Sequence], elapsed: float, plan: Any = None) -> None:
+        with self._lock:
+            s = self._stats
+            s.requests_finished += len(finished)
+            if plan is not None:
+                s.steps += 1
+                s.busy_s += elapsed
+                s.prompt_tokens += plan.prompt_tokens
+                s.prefix_hit_tokens += plan.prefix_hit_tokens
+                s.prefill_tokens_computed += plan.prefill_tokens
+                s.generated_tokens += plan.sampled
+                s.preemptions += plan.preemptions
+                s.copy_on_write_blocks += plan.copies
+
+    def run_until_idle(self) -> None:
+        """Step until every submitted request has finished (synchronous use; not while :meth:`start` runs)."""
+        if self.is_running:
+            raise RuntimeError("run_until_idle() steps the engine itself: call it without start(), or wait on handles")
+        while self.step():
+            pass
+
+    # -- the background thread -------------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> ServingEngine:
+        """Start the background stepping thread (idempotent); returns the engine."""
+        if self.is_running:
+            return self
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="hf_dsinfer-serving", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, cancel_pending: bool = True, timeout: float | None = None) -> None:
+        """Stop the background thread. ``cancel_pending``: end the unfinished requests with "cancelled" (else they
+        stay queued and resume on the next :meth:`start` or :meth:`step`)."""
+        thread = self._thread
+        if thread is not None:
+            with self._wake:
+                self._stopping = True
+                self._wake.notify()
+            thread.join(timeout)
+            self._thread = None
+        if cancel_pending:
+            with self._step_lock:
+                with self._lock:
+                    incoming, self._incoming, self._cancelled = self._incoming, [], []
+                for seq in incoming:
+                    seq.handle._finish("cancelled")
+                self.scheduler.cancel_all()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not (self._incoming or self._cancelled or self.scheduler.has_work):
+                        self._wake.wait(timeout=0.5)
+                    if self._stopping:
+                        return
+                self.step()
+        except BaseException as e:  # noqa: BLE001 - fail every request with the error rather than hang their readers
+            self._fatal = e
+            logger.error("hf_dsinfer serving: the stepping thread failed: %r; failing all requests", e)
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+            for seq in incoming:
+                seq.handle._finish("error", repr(e))
+            self.scheduler.fail_all(repr(e))
+
+    # -- stats -------------------------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> ServingStats:
+        """A snapshot of the engine's counters (:class:`ServingStats`)."""
+        with self._lock:
+            return ServingStats(**asdict(self._stats))
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = ServingStats()

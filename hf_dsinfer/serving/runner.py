@@ -1,0 +1,142 @@
+"""The runner: one ragged step of the fused layers over the paged KV cache, then the next token of each request.
+
+A step packs the scheduled tokens of all its requests into one row ``[1, T, C]`` (no padding): the policy embeds
+them, :meth:`Runtime.run_layers` runs the fused layers with a :class:`PagedStepContext` (each attention stores its
+keys/values into the paged cache through the slot mapping and attends through the block tables), and the LM head
+runs only on the last token of each request that has now computed all its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modules.attention import PagedStepContext
+from ..modules.kv_cache import PagedKVCache
+from ..policies.injection import get_injection
+from .blocks import BlockManager
+from .requests import SamplingParams, Sequence
+from .scheduler import StepPlan
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the paged engine cannot serve ``model`` exactly (the caller falls back), or None when it can."""
+    record = get_injection(model)
+    if record is None:
+        return "the model has no fused layers (no kernel injection)"
+    if model.get_output_embeddings() is None:
+        return "the model has no LM head"
+    for layer in record.runtime.layers:
+        attn = getattr(layer, "attn", None)
+        spec = getattr(attn, "spec", None)
+        if spec is None:
+            return f"layer {type(layer).__name__} has no fused attention"
+        if spec.alibi_slopes is not None:
+            return "ALiBi attention (bloom) is not implemented over the paged cache"
+        if not spec.causal:
+            return "non-causal attention"
+        if attn.o.reduce is not None:
+            return "tensor parallelism (the engine runs one rank)"
+    return None
+
+
+class PagedRunner:
+    """Owns the paged cache and block manager of one model and runs :class:`StepPlan` s on its fused layers."""
+
+    def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int | None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"continuous batching on fused layers cannot serve this model: {reason}")
+        self.model = model
+        self.runtime = get_injection(model).runtime
+        static = self.runtime.cache
+        #: Longest request (prompt + new tokens): the rotary / position tables are built for max_out_tokens.
+        self.max_positions = int(static.max_tokens)
+        if num_blocks is None:  # the memory of the static cache: max_out_tokens x max_batch_size tokens
+            num_blocks = -(-self.max_positions * max(1, int(static.max_batch_size)) // block_size)
+        specs = [layer.attn.spec for layer in self.runtime.layers]
+        self.cache = PagedKVCache([s.num_kv_heads for s in specs], [s.head_dim for s in specs], num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, self.cache.copy_block)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse a prompt no step could run (empty, ids outside the vocabulary)."""
+        if not prompt:
+            raise ValueError("input_ids is empty: a prompt needs at least one token (e.g. the tokenizer's BOS)")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab:
+            raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.vocab}) (min {lo}, max {hi})")
+
+    def _context(self, plan: StepPlan, device: torch.device) -> tuple[torch.Tensor, PagedStepContext]:
+        """The step's ``input_ids [1, T]`` and its paged context."""
+        bs = self.blocks.block_size
+        ids, positions, slots, cu, lens = [], [], [], [0], []
+        width = max(len(seq.block_table) for seq, _ in plan.chunks)
+        tables = torch.zeros(len(plan.chunks), width, dtype=torch.int32)  # [S, MB], unused entries 0
+        for s, (seq, n) in enumerate(plan.chunks):
+            start = seq.num_computed
+            ids += seq.tokens[start : start + n]
+            pos = range(start, start + n)
+            positions += pos
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in pos]
+            cu.append(cu[-1] + n)
+            lens.append(start + n)
+            tables[s, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+
+        def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        pos = dev(positions, torch.long)  # [T]
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        ctx = PagedStepContext(
+            cache=self.cache, start=empty, cache_lens=empty, positions=pos, rotary=self.runtime.rotary,
+            block_tables=tables.to(device), cu_seqlens_q=dev(cu, torch.int32), seq_lens_k=dev(lens, torch.int32),
+            slot_mapping=dev(slots, torch.long),
+        )  # fmt: skip
+        return dev([ids], torch.long), ctx
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> dict[int, int]:
+        """Run ``plan`` through the model; returns ``{id(sequence): next token}`` for each request whose tokens are all
+        computed after this step (the others are mid-prefill)."""
+        model, runtime = self.model, self.runtime
+        device = model.get_output_embeddings().weight.device
+        input_ids, ctx = self._context(plan, device)
+        positions = ctx.positions[None]  # [1, T]
+        hidden = runtime.policy.embed(model, input_ids, positions)  # [1, T, C]
+        self.cache.allocate(hidden.device, hidden.dtype)
+        if runtime.rotary is not None and runtime.rotary.cos.device != hidden.device:
+            runtime.rotary.to(hidden.device)
+        hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+        last, ready = [], []
+        end = 0
+        for seq, n in plan.chunks:
+            end += n
+            if seq.num_computed + n == len(seq.tokens):
+                last.append(end - 1)
+                ready.append(seq)
+        if not ready:
+            return {}
+        rows = hidden[0, torch.tensor(last, device=hidden.device)]  # [R, C]
+        logits = model.get_output_embeddings()(rows)  # [R, V]
+        logits = runtime.policy.finalize_logits(model, logits[:, None])[:, 0].float()  # [R, V] fp32
+        return {id(seq): tok for seq, tok in zip(ready, self._select(logits, ready))}
+
+    def _select(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next token of each row of ``logits [R, V]``: argmax for greedy requests, the request's processors and a
+        multinomial draw (torch's global generator, as transformers' sampling) otherwise."""
+        out = logits.argmax(-1).tolist()  # [R]
+        for r, seq in enumerate(seqs):
+            if seq.params.greedy:
+                continue
+            if seq.processors is None:
+                seq.processors = seq.params.processors()
+            scores = seq.processors(seq.input_ids(logits.device), logits[r : r + 1])  # [1, V]
+            if seq.params.do_sample:
+                probs = torch.softmax(scores, dim=-1)
+                out[r] = int(torch.multinomial(probs, num_samples=1)[0, 0])
+            else:
+                out[r] = int(scores.argmax(-1)[0])
+        return out
