@@ -131,8 +131,6 @@ def test_masked_lm_loss_and_tuple_outputs():
 def test_inputs_the_fused_encoder_refuses():
     model = inject(build_tiny("bert"), Cfg())
     ids = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(ValueError, match="right padding only"):
-        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]))
     with pytest.raises(ValueError, match="2D padding mask"):
         model(ids, attention_mask=torch.ones(1, 1, 4, 4))
     with pytest.raises(ValueError, match="output_hidden_states"):
@@ -153,3 +151,81 @@ def test_saved_state_dict_is_plain_hf():
     got, want = hf_state_dict(fused), reference.state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+# -- any 2D mask (left padding, holes): HF eager is the oracle on real positions --------------------------------------
+
+# Rows of a mask per case: 1 = real token. "left" and "holes" have padding in column 0 of some rows (the position
+# the pooler and the [CLS] heads read), "mixed" has right, left and middle padding in one batch.
+MASKS = {
+    "left": ["00011111", "11111111", "00000111"],
+    "right": ["11111000", "11111111", "11100000"],
+    "holes": ["10110111", "01111101", "11011011"],
+    "mixed": ["11110000", "00011111", "11001111", "01111110"],
+    "little_left_padding": ["0" + "1" * 23, "1" * 24],  # 1 of 48 tokens: under 1/16, the layers keep the padding
+}
+
+
+def _masked_batch(rows: list[str], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` for mask rows like "00111": real ids where 1, PAD where 0."""
+    mask = torch.tensor([[int(c) for c in r] for r in rows])
+    ids = torch.randint(3, 400, mask.shape, generator=torch.Generator().manual_seed(seed))
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def _eager_and_fused(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    reference = build_tiny(arch, seed=0, attn_implementation="eager")
+    return reference, inject(copy.deepcopy(reference), Cfg())
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("case", list(MASKS))
+@torch.no_grad()
+def test_any_padding_mask_matches_hf_eager_on_real_positions(arch, case, monkeypatch):
+    reference, fused = _eager_and_fused(arch)
+    assert is_injected(fused)
+    ids, mask = _masked_batch(MASKS[case])
+    real = mask.bool()
+    want = reference(input_ids=ids, attention_mask=mask)
+    got = fused(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **FP32)
+    # the first position of every row (padding or not) is HF's: heads read it
+    torch.testing.assert_close(got.last_hidden_state[:, 0], want.last_hidden_state[:, 0], **FP32)
+    if arch != "distilbert":
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, **FP32)
+    packed = case != "little_left_padding"
+    if packed:  # the layers skipped padding: zeros there, except column 0
+        assert not got.last_hidden_state[:, 1:][~real[:, 1:]].any()
+    else:
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **FP32)
+    monkeypatch.setenv(UNPAD_ENV, "0")  # every position computed, padding too, as HF does
+    torch.testing.assert_close(fused(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               want.last_hidden_state, **FP32)  # fmt: skip
+
+
+@torch.no_grad()
+def test_left_padded_batch_equals_each_row_alone():
+    """A left-padded row gives the same real-position states as the row alone, shifted: BERT's absolute positions
+    count from column 0, so the row alone is given the same position ids."""
+    reference, fused = _eager_and_fused("bert")
+    ids, mask = _masked_batch(MASKS["left"])
+    batch = fused(input_ids=ids, attention_mask=mask).last_hidden_state
+    for row in range(ids.shape[0]):
+        cols = mask[row].nonzero().squeeze(1)
+        alone = fused(input_ids=ids[row, cols][None], position_ids=cols[None]).last_hidden_state[0]
+        want = reference(input_ids=ids[row, cols][None], position_ids=cols[None]).last_hidden_state[0]
+        torch.testing.assert_close(alone, want, **FP32)
+        torch.testing.assert_close(batch[row, cols], alone, **FP32)
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForTokenClassification"])
+@torch.no_grad()
+def test_heads_on_a_left_padded_batch(head):
+    torch.manual_seed(0)
+    reference = getattr(transformers, head)(tiny_config("bert", num_labels=3, attn_implementation="eager")).eval()
+    fused = inject(copy.deepcopy(reference), Cfg())
+    ids, mask = _masked_batch(MASKS["left"])
+    want, got = reference(input_ids=ids, attention_mask=mask).logits, fused(input_ids=ids, attention_mask=mask).logits
+    if want.ndim == 3:  # per token: real positions
+        want, got = want[mask.bool()], got[mask.bool()]
+    torch.testing.assert_close(got, want, **FP32)

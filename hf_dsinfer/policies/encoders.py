@@ -1,5 +1,5 @@
 """RoBERTa and DistilBERT encoders on the BERT path (``bert.py``): post-norm layers, non-causal
-``encoder_attention``, right padding, no KV cache; HF's embeddings, pooler and task heads are called as they are.
+``encoder_attention``, any 2D padding mask, no KV cache; HF's embeddings, pooler and task heads are called as they are.
 
 * RoBERTa's model, layers and heads are BERT's under other class names (its embeddings derive positions from the
   padding index, which HF's own embedding module does), so :class:`RobertaPolicy` is :class:`BertPolicy` retargeted.
@@ -19,7 +19,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..modules import AttentionSpec, LayerSpec, MLPSpec
 from .base import Cat, Policy, Source, register
-from .bert import BertPolicy, right_padded_lengths, run_encoder_layers
+from .bert import BertPolicy, real_tokens, run_encoder_layers
 from .gpt_neox import plain_activation
 
 if TYPE_CHECKING:
@@ -59,8 +59,8 @@ def install_distilbert_forward(model: nn.Module, runtime: Runtime) -> None:
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         hidden = self.embeddings(input_ids, inputs_embeds, position_ids)  # [B, T, C]
         B, T, _ = hidden.shape
-        lens = right_padded_lengths(attention_mask, B, T, hidden.device)  # [B]
-        out = BaseModelOutput(last_hidden_state=run_encoder_layers(runtime, hidden, lens))
+        real = real_tokens(attention_mask, B, T, hidden.device)  # [B, T] bool or None
+        out = BaseModelOutput(last_hidden_state=run_encoder_layers(runtime, hidden, real))
         return out if return_dict is not False else out.to_tuple()
 
     base.forward = MethodType(distilbert_forward, base)
