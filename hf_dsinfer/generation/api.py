@@ -91,6 +91,11 @@ def install_generate(model: nn.Module, cfg: Any, injection: Any = None) -> nn.Mo
     fused_forward = model.__dict__.get("forward")
     if state.lock is not None and fused_forward is not None:
         model.forward = _locked(fused_forward, state.lock)
+    # generate_batch / init_continuous_batching: continuous batching on the fused layers (a paged KV cache) instead
+    # of transformers' manager, whose paged cache the fused forward cannot read (hf_dsinfer/serving).
+    from ..serving.hf_api import install_generate_batch  # here: serving imports generation
+
+    install_generate_batch(model, runtime)
     return model
 
 

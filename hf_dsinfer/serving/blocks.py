@@ -141,6 +141,13 @@ class BlockManager:
         self.by_key[key] = block
         self.key_of[block] = key
 
+    def forget_cached(self) -> None:
+        """Free every cached (unheld) block and forget its key; blocks still held keep theirs."""
+        while self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_key[self.key_of.pop(block)]
+            self.free.append(block)
+
     def check(self) -> None:
         """Internal consistency (tests): every block is exactly one of held, cached or free."""
         held = {b for b, r in enumerate(self.refs) if r > 0}

@@ -91,6 +91,8 @@ class RequestHandle:
         self.error: str | None = None
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None
+        self.record_timestamps = False
+        self.timestamps: list[float] = []  # time of each token (when record_timestamps)
         self.finished_time: float | None = None
         self._stream: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
@@ -131,8 +133,11 @@ class RequestHandle:
     # -- the engine's side -----------------------------------------------------------------------------------------
 
     def _push(self, new_tokens: list[int]) -> None:
+        now = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = now
+        if self.record_timestamps:
+            self.timestamps.extend([now] * len(new_tokens))
         self.tokens.extend(new_tokens)
         self._stream.put(new_tokens)
         if self._on_update is not None:
@@ -190,6 +195,7 @@ class ServingEngine:
             prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,
         )  # fmt: skip
         self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self.options: dict[str, Any] = {}  # what a cache of engines keys this one by (generate_batch's)
         self._stats = ServingStats()
         self._lock = threading.Lock()  # guards _incoming, _cancelled, _stats
         self._wake = threading.Condition(self._lock)
@@ -211,6 +217,7 @@ class ServingEngine:
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         on_update: Callable[[RequestHandle, list[int], bool], None] | None = None,
+        record_timestamps: bool = False,
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (the request joins at the next step).
 
@@ -229,6 +236,7 @@ class ServingEngine:
             raise RuntimeError(f"the serving engine stopped after an error: {self._fatal!r}")
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
         handle = RequestHandle(rid, prompt, on_update)
+        handle.record_timestamps = record_timestamps
         handle._cancel = self._request_cancel
         seq = Sequence(rid, prompt, params, handle)
         with self._wake:
@@ -341,6 +349,12 @@ class ServingEngine:
             for seq in incoming:
                 seq.handle._finish("error", repr(e))
             self.scheduler.fail_all(repr(e))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the KV blocks kept for prefix sharing by finished requests (call it after changing the weights:
+        their KV was computed with the old ones). Blocks of running requests are unaffected."""
+        with self._step_lock:
+            self.scheduler.blocks.forget_cached()
 
     # -- stats -------------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,374 @@
+"""transformers' continuous-batching API on injected models, run by :class:`~hf_dsinfer.serving.ServingEngine`.
+
+``model.generate_batch(inputs, generation_config=...)`` and ``model.init_continuous_batching()`` keep transformers'
+signatures, request ids (``req_<i>``, children ``req_<i>__child#<j>`` for ``num_return_sequences``), output type
+(``GenerationOutput``) and order; only the engine underneath is ours: the fused layers over a paged KV cache.
+transformers' own manager would call the fused forward with its paged cache, which the fused layers cannot read.
+
+``ContinuousBatchingConfig`` fields that mean something here: ``num_blocks``, ``max_batch_tokens``,
+``max_requests_per_batch`` (requests running at once), ``allow_block_sharing`` (prefix sharing) and ``page_size``
+(block size, when set to something else than transformers' default of 256 tokens, which is tuned for its GPU kernels;
+the default here is 16). The others (CUDA graphs, compile levels, offloading) are ignored.
+
+Models the paged engine cannot serve exactly (:func:`~.runner.unsupported_reason`) get the padded fallback
+(:mod:`.padded`) for ``generate_batch``, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import time
+from collections.abc import Generator, Iterator
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..log import logger
+from .engine import RequestHandle, ServingEngine, ServingStats
+from .padded import padded_generate_batch
+from .runner import unsupported_reason
+
+ENGINE_ATTR = "_dsinfer_batch_engine"  # the engine generate_batch keeps on the model between calls
+STATS_ATTR = "_dsinfer_batch_stats"
+_DEFAULT_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig default (ignored: see the module docstring)
+_warned: set[str] = set()
+
+
+def install_generate_batch(model: nn.Module, runtime: Any) -> None:
+    """Bind ``generate_batch``, ``init_continuous_batching`` and ``continuous_batching_context_manager`` on ``model``
+    (this instance) when it has fused layers (``runtime`` not None); models on HF's modules keep transformers' own."""
+    if runtime is None:
+        return
+    model.generate_batch = MethodType(generate_batch, model)
+    model.init_continuous_batching = MethodType(init_continuous_batching, model)
+    model.continuous_batching_context_manager = MethodType(continuous_batching_context_manager, model)
+
+
+def last_batch_stats(model: nn.Module) -> ServingStats | None:
+    """The :class:`ServingStats` of ``model``'s last ``generate_batch`` call (None before the first)."""
+    return getattr(model, STATS_ATTR, None)
+
+
+def engine_options(cb_config: Any) -> dict[str, Any]:
+    """:class:`ServingEngine` keyword arguments from a transformers ``ContinuousBatchingConfig`` (or None)."""
+    if cb_config is None:
+        return {}
+    out: dict[str, Any] = {}
+    page = getattr(cb_config, "page_size", None)
+    if page is not None and page != _DEFAULT_PAGE_SIZE:
+        out["block_size"] = int(page)
+    for ours, theirs in (("num_blocks", "num_blocks"), ("max_batch_tokens", "max_batch_tokens"),
+                         ("max_num_seqs", "max_requests_per_batch")):  # fmt: skip
+        value = getattr(cb_config, theirs, None)
+        if value is not None:
+            out[ours] = int(value)
+    if getattr(cb_config, "allow_block_sharing", True) is False:
+        out["prefix_sharing"] = False
+    return out
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning(
+            "hf_dsinfer: generate_batch runs padded static batches through generate (not continuous batching): %s.",
+            reason,
+        )
+
+
+def _output(handle: RequestHandle, status: Any = None) -> Any:
+    """transformers' ``GenerationOutput`` of ``handle`` (finished unless ``status`` is given)."""
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+    if status is None:
+        status = RequestStatus.FAILED if handle.finish_reason == "error" else RequestStatus.FINISHED
+    return GenerationOutput(
+        request_id=handle.request_id,
+        prompt_ids=list(handle.prompt_ids),
+        generated_tokens=list(handle.tokens),
+        error=handle.error,
+        status=status,
+        created_time=handle.created_time,
+        lifespan=(handle.first_token_time or -1, handle.finished_time or -1),
+        timestamps=list(handle.timestamps) if handle.record_timestamps else None,
+    )
+
+
+def _failed(request_id: str, prompt: list[int], error: Exception) -> Any:
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+    return GenerationOutput(
+        request_id=request_id, prompt_ids=list(prompt), error=str(error), status=RequestStatus.FAILED
+    )
+
+
+def batch_engine(model: nn.Module, cb_config: Any = None) -> ServingEngine:
+    """The engine ``generate_batch`` uses on ``model``: kept between calls while the settings stay the same."""
+    options = engine_options(cb_config)
+    engine = getattr(model, ENGINE_ATTR, None)
+    if engine is None or engine.options != options:
+        engine = ServingEngine(model, **options)
+        engine.options = options
+        object.__setattr__(model, ENGINE_ATTR, engine)  # a plain attribute, not a submodule
+    return engine
+
+
+def run_generate_batch(
+    model: nn.Module,
+    inputs: list[list[int]],
+    generation_config: Any = None,
+    continuous_batching_config: Any = None,
+    record_timestamps: bool = False,
+    max_new_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The body of ``generate_batch`` on the paged engine (synchronous: this thread steps the engine)."""
+    config = generation_config if generation_config is not None else model.generation_config
+    copies = int(getattr(config, "num_return_sequences", None) or 1)
+    engine = batch_engine(model, continuous_batching_config)
+    # The weights may have changed since the last call (a Hybrid Engine refresh, a training step): KV blocks
+    # cached by earlier calls are stale. Sharing within this call stays on.
+    engine.clear_prefix_cache()
+    engine.reset_stats()
+    handles: dict[str, RequestHandle | Any] = {}
+    order: list[str] = []
+    for i, prompt in enumerate(inputs):
+        parent = f"req_{i}"
+        names = [f"{parent}__child#{j}" for j in range(copies - 1)] + [parent]
+        order += names
+        # The parent first: the children wait for its prompt blocks and share them (prefilled once).
+        for name in [parent, *names[:-1]]:
+            try:
+                handles[name] = engine.submit(
+                    prompt, config, request_id=name, max_new_tokens=max_new_tokens,
+                    record_timestamps=record_timestamps,
+                )  # fmt: skip
+            except ValueError as e:
+                handles[name] = _failed(name, prompt, e)
+    engine.run_until_idle()
+    results = {
+        name: (_output(h) if isinstance(h, RequestHandle) else h) for name, h in ((n, handles[n]) for n in order)
+    }
+    failed = [name for name, out in results.items() if out.error is not None]
+    if failed:
+        first = results[failed[0]].error
+        logger.error("hf_dsinfer generate_batch: requests %s failed (first error: %s)", failed, first)
+    object.__setattr__(model, STATS_ATTR, engine.stats)
+    return results
+
+
+@torch.no_grad()
+def generate_batch(
+    self: nn.Module,
+    inputs: list[list[int]],
+    generation_config: Any = None,
+    continuous_batching_config: Any = None,
+    record_timestamps: bool = False,
+    progress_bar: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """transformers' ``generate_batch`` on the fused layers (continuous batching over a paged KV cache).
+
+    Same arguments and result as transformers': ``{request_id: GenerationOutput}`` in input order, children of
+    ``num_return_sequences`` before their parent. ``progress_bar``, ``persistent_manager`` and ``warmup`` have no
+    effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway).
+    """
+    if not inputs:
+        return {}
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    if kwargs:
+        logger.warning("hf_dsinfer generate_batch: ignoring unknown arguments %s", sorted(kwargs))
+    reason = unsupported_reason(self)
+    if reason is not None:
+        _warn_once(reason)
+        config = generation_config if generation_config is not None else self.generation_config
+        copies = int(getattr(config, "num_return_sequences", None) or 1)
+        from ..generation.api import GEN_ATTR  # here: generation.api installs this module's functions
+
+        state = getattr(self, GEN_ATTR, None)
+        rows = max(1, int(getattr(state.cfg, "max_batch_size", 8) if state is not None else 8) // copies)
+        device = self.get_output_embeddings().weight.device
+        return padded_generate_batch(self.generate, inputs, config, rows=rows, device=device,
+                                     max_new_tokens=max_new_tokens)  # fmt: skip
+    return run_generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
+                              max_new_tokens)  # fmt: skip
+
+
+class FusedContinuousBatchingManager:
+    """transformers' ``ContinuousBatchingManager`` API (start / add_request / get_result / stop ...) on a
+    :class:`ServingEngine` with its background thread. Made by ``model.init_continuous_batching()``."""
+
+    def __init__(self, model: nn.Module, generation_config: Any, engine: ServingEngine):
+        self.model = model
+        self.generation_config = generation_config
+        self.engine = engine
+        self.num_return_sequences = int(getattr(generation_config, "num_return_sequences", None) or 1)
+        self.output_queue: queue.Queue = queue.Queue()
+        self._counter = 0
+        self.warmed_up = False
+        self._handles: dict[str, RequestHandle] = {}
+
+    # -- control -------------------------------------------------------------------------------------------------
+
+    def is_running(self) -> bool:
+        return self.engine.is_running
+
+    def warmup(self) -> None:
+        """Nothing to capture ahead (kept for transformers' API)."""
+        self.warmed_up = True
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:  # fmt: skip
+        """Stop the stepping thread; without ``hard_stop`` the queued requests finish first (transformers' default)."""
+        if not hard_stop and block:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.engine.has_work and self.engine.is_running:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        self.engine.stop(cancel_pending=hard_stop or not keep_for_next_session, timeout=timeout if block else 0)
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        thread = self.engine._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def destroy(self) -> None:
+        if self.is_running():
+            self.stop(block=True)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Hold the engine between steps (e.g. to update weights in place); requests resume on exit."""
+        with self.engine._step_lock:
+            yield
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str:
+        """Queue one prompt (and its ``num_return_sequences - 1`` children); returns its request id."""
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        if logit_processor_kwargs:
+            logger.warning(
+                "hf_dsinfer: per-request logits processor arguments %s are ignored", sorted(logit_processor_kwargs)
+            )
+        if request_id is None:
+            request_id = f"req_{self._counter}"
+            self._counter += 1
+        config = self.generation_config
+        if eos_token_id is not None:
+            config = copy.deepcopy(config)
+            config.eos_token_id = eos_token_id
+
+        def on_update(handle: RequestHandle, new: list[int], finished: bool) -> None:
+            if finished:
+                self.output_queue.put(_output(handle))
+                self._handles.pop(handle.request_id, None)
+            elif streaming and new:
+                self.output_queue.put(_output(handle, RequestStatus.DECODING))
+
+        names = [request_id] + [f"{request_id}__child#{j}" for j in range(self.num_return_sequences - 1)]
+        for name in names:
+            try:
+                self._handles[name] = self.engine.submit(
+                    input_ids, config, request_id=name, max_new_tokens=max_new_tokens, on_update=on_update,
+                    record_timestamps=record_timestamps,
+                )  # fmt: skip
+            except ValueError as e:
+                logger.error("hf_dsinfer: request %s refused: %s", name, e)
+                self.output_queue.put(_failed(name, input_ids, e))
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str]:  # fmt: skip
+        return [
+            self.add_request(ids, None, max_new_tokens, streaming, record_timestamps, **logit_processor_kwargs)
+            for ids in inputs
+        ]
+
+    def cancel_request(self, request_id: str) -> None:
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.cancel()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> Any:
+        """The next output (of ``request_id`` if given, else of any request), or None after ``timeout`` seconds."""
+        if self.output_queue.empty() and not self.is_running():
+            return None
+        try:
+            result = self.output_queue.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            self.output_queue.put(result)
+            return None
+        return result
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.is_running():
+            result = self.get_result(timeout=0.1)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str) -> Generator[Any]:
+        while self.is_running():
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+
+
+def init_continuous_batching(
+    self: nn.Module,
+    generation_config: Any = None,
+    continuous_batching_config: Any = None,
+    workload_hints: Any = None,
+) -> FusedContinuousBatchingManager:
+    """transformers' ``init_continuous_batching`` on the fused layers: a manager over a new :class:`ServingEngine`."""
+    config = generation_config if generation_config is not None else self.generation_config
+    if unsupported_reason(self) is not None:
+        raise ValueError(
+            f"init_continuous_batching on fused layers cannot serve this model: {unsupported_reason(self)}; load it "
+            "without replace_with_kernel_inject to use transformers' continuous batching, or use generate."
+        )
+    engine = ServingEngine(self, generation_config=config, **engine_options(continuous_batching_config))
+    return FusedContinuousBatchingManager(self, config, engine)
+
+
+@contextlib.contextmanager
+def continuous_batching_context_manager(
+    self: nn.Module,
+    generation_config: Any = None,
+    block: bool = True,
+    timeout: float | None = None,
+    continuous_batching_config: Any = None,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    workload_hints: Any = None,
+) -> Iterator[FusedContinuousBatchingManager]:
+    """transformers' context manager: a started manager, stopped (after finishing its requests) on exit."""
+    manager = init_continuous_batching(self, generation_config, continuous_batching_config, workload_hints)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=block, timeout=timeout)
