@@ -24,9 +24,17 @@ def test_deepspeed_defaults():
 @pytest.mark.parametrize(
     "spelling, canon",
     [
-        ("fp16", "float16"), ("float16", "float16"), ("half", "float16"), (torch.float16, "float16"),
-        ("bf16", "bfloat16"), ("bfloat16", "bfloat16"), (torch.bfloat16, "bfloat16"),
-        ("fp32", "float32"), ("float32", "float32"), ("float", "float32"), (torch.float32, "float32"),
+        ("fp16", "float16"),
+        ("float16", "float16"),
+        ("half", "float16"),
+        (torch.float16, "float16"),
+        ("bf16", "bfloat16"),
+        ("bfloat16", "bfloat16"),
+        (torch.bfloat16, "bfloat16"),
+        ("fp32", "float32"),
+        ("float32", "float32"),
+        ("float", "float32"),
+        (torch.float32, "float32"),
     ],
 )
 def test_dtype_spellings(spelling, canon):
@@ -77,7 +85,9 @@ def test_unknown_key_named_with_suggestion():
         (dict(cuda_graph_batch_sizes=[1, 64], max_batch_size=8), "max_batch_size"),
         (dict(quant={"enabled": True, "weight": {"num_bits": 3}}), "quant.weight.num_bits"),
         (dict(quant={"weight": {"q_groups": 2, "group_size": 64}}), "quant.weight.q_groups"),
-        (dict(quant={"activation": {"enabled": True}}), "quant.activation"),
+        (dict(quant={"activation": {"enabled": True, "num_bits": 4}}), "quant.activation.num_bits"),
+        (dict(quant={"activation": {"q_groups": 8}}), "quant.activation.q_groups"),
+        (dict(quant={"qkv": {"enabled": True, "bits": 4}}), "quant.qkv key 'bits'"),
         (dict(injection_policy={"LlamaDecoderLayer": 3}), "injection_policy"),
     ],
 )

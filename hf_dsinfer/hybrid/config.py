@@ -7,8 +7,11 @@ A DeepSpeed training config enables its Hybrid Engine with::
 
 :func:`read_hybrid_engine_config` turns that section (or a whole DeepSpeed config dict / JSON path holding it) into
 :class:`HybridEngineSettings`, which ``HybridEngine(model, config=...)`` and ``HybridEngineCallback(config=...)``
-apply. Every DeepSpeed key is accepted; the ones that steer DeepSpeed-only machinery log once (info) why they change
-nothing here; a key DeepSpeed does not know is refused by name, with the closest valid name.
+apply. Every key of DeepSpeed's ``HybridEngineConfig`` (DeepSpeed 0.16.5: ``enabled``, ``max_out_tokens``,
+``inference_tp_size``, ``release_inference_cache``, ``pin_parameters``, ``tp_gather_partition_size``) is accepted; the
+ones that steer DeepSpeed-only machinery log once (info) why they change nothing here. One key is ours:
+``enable_cuda_graph`` (decode steps of the inference copy replayed as CUDA graphs, the inference config's field of that
+name; DeepSpeed's Hybrid Engine has no such key). Any other key is refused by name, with the closest valid name.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class HybridEngineSettings:
         inference_tp_size: tensor-parallel degree of the inference copy.
         release_inference_cache: free the KV cache (and CUDA graphs) after each generation.
         pin_parameters, tp_gather_partition_size: accepted, no effect here (see ``NO_EFFECT``).
+        enable_cuda_graph: ours; ``None`` (default): the inference config decides (its ``enable_cuda_graph``),
+            ``True``/``False``: sets it.
     """
 
     enabled: bool = False
@@ -60,11 +65,13 @@ class HybridEngineSettings:
     release_inference_cache: bool = False
     pin_parameters: bool = True
     tp_gather_partition_size: int = 8
+    enable_cuda_graph: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "release_inference_cache", "pin_parameters"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{SECTION}.{name} must be true or false, got {getattr(self, name)!r}.")
+        for name in ("enabled", "release_inference_cache", "pin_parameters", "enable_cuda_graph"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "enable_cuda_graph" and value is None):
+                raise ValueError(f"{SECTION}.{name} must be true or false, got {value!r}.")
         for name in ("max_out_tokens", "inference_tp_size", "tp_gather_partition_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,6 +82,8 @@ class HybridEngineSettings:
         out: dict[str, Any] = {"max_out_tokens": self.max_out_tokens}
         if self.inference_tp_size > 1:
             out["tensor_parallel"] = {"tp_size": self.inference_tp_size}
+        if self.enable_cuda_graph is not None:
+            out["enable_cuda_graph"] = self.enable_cuda_graph
         return out
 
 
@@ -136,6 +145,8 @@ def section_inference_fields(
     given: dict[str, Any] = {}
     if isinstance(inference_config, InferenceConfig):
         given = {"max_out_tokens": inference_config.max_out_tokens, "tp_size": inference_config.tp_size}
+        if settings.enable_cuda_graph is not None:  # only compared when the section sets it (False is the default)
+            given["enable_cuda_graph"] = inference_config.enable_cuda_graph
     elif inference_config is not None:
         raw = inference_config
         if isinstance(raw, (str, os.PathLike)):
@@ -147,7 +158,13 @@ def section_inference_fields(
         given["tp_size"] = tp["tp_size"]
     out = dict(config_kwargs)
     wanted = {"max_out_tokens": settings.max_out_tokens, "tp_size": settings.inference_tp_size}
-    names = {"max_out_tokens": "max_out_tokens", "tp_size": "inference_tp_size"}
+    if settings.enable_cuda_graph is not None:
+        wanted["enable_cuda_graph"] = settings.enable_cuda_graph
+    names = {
+        "max_out_tokens": "max_out_tokens",
+        "tp_size": "inference_tp_size",
+        "enable_cuda_graph": "enable_cuda_graph",
+    }
     for key, value in wanted.items():
         if key in given and given[key] != value:
             raise ValueError(

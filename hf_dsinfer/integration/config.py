@@ -20,6 +20,14 @@ from typing import Any
 import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .config_compat import (
+    COMPAT_ALIASES,
+    COMPAT_FIELDS,
+    DtypeName,
+    log_no_effect_values,
+    normalize_injection_policy,
+    pop_compat_fields,
+)
 from .moe_config import MOE_TOP_LEVEL, MoEConfig, merge_top_level_moe_keys
 from .quant_config import QuantSettings, merge_int8_dtype, normalize_quant, parse_quant
 
@@ -29,7 +37,7 @@ AUTO = "auto"  # dtype / replace_with_kernel_inject: decided per model (see ``au
 # canonical name -> accepted spellings (torch dtypes are accepted too)
 _DTYPE_NAMES = {
     "float16": ("fp16", "float16", "half", "torch.float16"),
-    "bfloat16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "bfloat16": ("bf16", "bfloat16", "bfloat", "torch.bfloat16"),
     "float32": ("fp32", "float32", "float", "torch.float32"),
 }
 _DTYPE_BY_SPELLING = {s: canon for canon, spellings in _DTYPE_NAMES.items() for s in spellings}
@@ -72,7 +80,12 @@ ALIASES = {
     "min_tokens": "min_out_tokens",
 }
 # DeepSpeed's deprecated top-level keys and where they moved (dotted path into a nested section).
-DEPRECATED = {"mp_size": "tensor_parallel.tp_size", "mpu": "tensor_parallel.mpu"}
+# (``tp_grain_size`` was a top-level field before DeepSpeed 0.16.5 moved it into ``tensor_parallel``.)
+DEPRECATED = {
+    "mp_size": "tensor_parallel.tp_size",
+    "mpu": "tensor_parallel.mpu",
+    "tp_grain_size": "tensor_parallel.tp_grain_size",
+}
 
 TP_FIELDS: dict[str, Any] = {"enabled": True, "tp_size": 1, "tp_grain_size": 64, "mpu": None, "tp_group": None}
 _TP_RUNTIME = ("mpu", "tp_group")  # process-group objects: kept in memory, never serialized
@@ -197,43 +210,17 @@ class TensorParallelConfig:
         return TensorParallelConfig(**self.to_dict(), mpu=self.mpu, tp_group=self.tp_group)
 
 
-def _policy_key(key: Any) -> str:
-    if isinstance(key, str):
-        return key
-    if isinstance(key, type):
-        return f"{key.__module__}.{key.__qualname__}"
-    raise ValueError(f"injection_policy keys must be layer classes or their dotted names, got {key!r}.")
-
-
-def _normalize_injection_policy(value: Any) -> dict[str, list[str]] | None:
-    """DeepSpeed's ``{LayerClass: ("self_attn.o_proj", "mlp.down_proj")}`` as JSON: dotted class name -> names."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(
-            "injection_policy must be a non-empty dict {LayerClass: ('attn.out_proj', 'mlp.down_proj')}, "
-            f"got {value!r}."
-        )
-    out = {}
-    for key, names in value.items():
-        if isinstance(names, str):
-            names = (names,)
-        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(
-                f"injection_policy[{_policy_key(key)!r}] must be a tuple of module names (the layer's row-parallel "
-                f"output projections, e.g. ('self_attn.o_proj', 'mlp.down_proj')), got {names!r}."
-            )
-        out[_policy_key(key)] = list(names)
-    return out
-
-
 class InferenceConfig(QuantizationConfigMixin):
     """Configuration of hf_dsinfer, with DeepSpeed-Inference's field names, defaults and aliases.
 
     Build it from keyword arguments, a dict, a JSON file path, or another config plus overrides with
     :meth:`from_any`. Unknown keys raise ``ValueError`` naming the key; invalid values raise naming the key and the
     fix. Accepted aliases: ``kernel_inject``, ``tp``, ``injection_dict``, ``max_tokens``, ``min_tokens``; the
-    deprecated ``mp_size`` and ``mpu`` map into ``tensor_parallel`` with a ``FutureWarning``.
+    deprecated ``mp_size``, ``mpu`` (and a top-level ``tp_grain_size``) map into ``tensor_parallel``, and ``ep_size``,
+    ``ep_group`` / ``expert_group``, ``ep_mp_group`` / ``expert_mp_group``, ``moe_experts``, ``moe_type`` into
+    ``moe``, each with a ``FutureWarning``. DeepSpeed's fields that only its own machinery reads (``zero``,
+    ``triangular_masking``, ...) are accepted with one info line or refused with the reason (``config_compat.py``).
+    ``dtype`` reads back as a str that compares equal to its torch dtype (``cfg.dtype == torch.half``).
 
     Fields (DeepSpeed's): ``dtype`` (default ``"auto"``: the checkpoint's dtype, fp16 becomes fp32 on CPU; DeepSpeed's
     is fp16), ``tensor_parallel`` (``tp_size``, ``tp_grain_size``, ``mpu``, ``tp_group``),
@@ -250,9 +237,10 @@ class InferenceConfig(QuantizationConfigMixin):
         values = merge_int8_dtype(self._canonical_keys(kwargs))  # dtype="int8" -> an int8 quant section
         merged = {**FIELDS, **values}
         self.quant_method = QUANT_METHOD
-        self.dtype = normalize_dtype(merged["dtype"], allow_auto=True)
+        # A str that also compares equal to its torch dtype, as DeepSpeed's ``config.dtype`` (config_compat.py).
+        self.dtype = DtypeName(normalize_dtype(merged["dtype"], allow_auto=True))
         # dtype="auto" resolved against a model (``resolve_dtype``); kept out of to_dict so "auto" round-trips.
-        self._resolved_dtype: torch.dtype | None = None
+        self._resolved_dtype = None
         # The quant section of the config.json a checkpoint was saved with (set by from_dict; None: float weights).
         self._checkpoint_quant: QuantSettings | None = None
         tp = merged["tensor_parallel"]
@@ -270,7 +258,7 @@ class InferenceConfig(QuantizationConfigMixin):
                 # moe: parsed before the copy, so its process groups are shared, not deep-copied
                 value = MoEConfig.from_value(merged[key]) if key == "moe" else merged[key]
                 setattr(self, key, copy.deepcopy(value))
-        self.injection_policy = _normalize_injection_policy(merged["injection_policy"])
+        self.injection_policy = normalize_injection_policy(merged["injection_policy"])
         self.post_init()
 
     # -- construction helpers -------------------------------------------------------------------------------------
@@ -293,9 +281,10 @@ class InferenceConfig(QuantizationConfigMixin):
                 warnings.warn(f"{key} is deprecated; use {DEPRECATED[key]} instead.", FutureWarning, stacklevel=4)
                 tp_extra[sub] = value
                 continue
-            canon = ALIASES.get(key, key)
-            if canon not in FIELDS:
-                raise _unknown_key_error(key, list(FIELDS) + list(ALIASES) + list(DEPRECATED), "InferenceConfig")
+            canon = ALIASES.get(key, COMPAT_ALIASES.get(key, key))
+            if canon not in FIELDS and canon not in COMPAT_FIELDS:
+                valid = [*FIELDS, *ALIASES, *DEPRECATED, *COMPAT_FIELDS, *COMPAT_ALIASES, *MOE_TOP_LEVEL]
+                raise _unknown_key_error(key, valid, "InferenceConfig")
             if canon in out and out[canon] != value:
                 raise ValueError(
                     f"{given_as[canon]} and {key} are the same setting with different values; pass only one."
@@ -314,6 +303,7 @@ class InferenceConfig(QuantizationConfigMixin):
                 tp[sub] = value
             out["tensor_parallel"] = tp
         merge_top_level_moe_keys(out, moe_extra)
+        pop_compat_fields(out)  # DeepSpeed-only fields: dropped with one info line, or refused (config_compat.py)
         return out
 
     @classmethod
@@ -396,8 +386,10 @@ class InferenceConfig(QuantizationConfigMixin):
             )
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
-            if not isinstance(sizes, (list, tuple)) or not sizes or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+            if (
+                not isinstance(sizes, (list, tuple))
+                or not sizes
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
             ):
                 raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of integers >= 1, got {sizes!r}.")
             self.cuda_graph_batch_sizes = sorted(set(sizes))
@@ -416,8 +408,20 @@ class InferenceConfig(QuantizationConfigMixin):
                 raise ValueError(f"{key} must be a path or a dict, got {type(v).__name__}.")
         if not isinstance(self.base_dir, str):
             raise ValueError(f"base_dir must be a string path, got {self.base_dir!r}.")
+        log_no_effect_values(self)  # use_triton=True, ...: one info line each
 
     # -- views -----------------------------------------------------------------------------------------------------
+
+    @property
+    def _resolved_dtype(self) -> torch.dtype | None:
+        """What ``dtype="auto"`` resolved to (None before ``resolve_dtype``); ``dtype`` compares equal to it."""
+        return self.__dict__.get("_resolved", None)
+
+    @_resolved_dtype.setter
+    def _resolved_dtype(self, value: torch.dtype | None) -> None:
+        self.__dict__["_resolved"] = value
+        if self.dtype == AUTO:
+            self.dtype = DtypeName(AUTO, value)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -476,6 +480,7 @@ class InferenceConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable dict (process groups left out), with ``quant_method``."""
         out = {k: copy.deepcopy(getattr(self, k)) for k in FIELDS if k != "tensor_parallel"}
+        out["dtype"] = str(self.dtype)  # a plain str in JSON, without the resolved dtype
         out["tensor_parallel"] = self.tensor_parallel.to_dict()
         out["moe"] = self.moe.to_dict() if self.moe is not None else None
         out["quant_method"] = QUANT_METHOD

@@ -8,7 +8,8 @@ holding ``1/N`` of the experts split by features over its ranks; checked when th
 (alias ``moe_type``; only ``"standard"``: DeepSpeed's PR-MoE ``"residual"`` layers do not exist in transformers
 models), ``ep_group`` (alias ``expert_group``: a process group for expert parallelism; default: the tensor-parallel
 group or the world), ``ep_mp_group`` (alias ``expert_mp_group``: refused unless None, see the message).
-DeepSpeed's deprecated top-level ``ep_size``, ``moe_experts``, ``moe_type``, ``ep_group``, ``ep_mp_group`` map here.
+DeepSpeed's deprecated top-level ``ep_size``, ``moe_experts``, ``moe_type``, ``ep_group`` (alias ``expert_group``),
+``ep_mp_group`` (alias ``expert_mp_group``) map here.
 Process groups stay in memory and are never written to JSON.
 """
 
@@ -39,6 +40,8 @@ MOE_TOP_LEVEL = {
     "moe_type": "type",
     "ep_group": "ep_group",
     "ep_mp_group": "ep_mp_group",
+    "expert_group": "ep_group",  # DeepSpeed's aliases of the two above
+    "expert_mp_group": "ep_mp_group",
 }
 _RUNTIME = ("ep_group", "ep_mp_group")  # process-group objects: kept in memory, never serialized
 MOE_TYPES = ("standard",)

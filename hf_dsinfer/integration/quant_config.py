@@ -6,6 +6,9 @@ Accepted forms (DeepSpeed's names)::
                                        "lm_head": False}}
     dtype="int8"          # the same as quant={"enabled": True, "weight": {"num_bits": 8}}
 
+DeepSpeed's ``activation`` and ``qkv`` sections load at DeepSpeed's defaults (which enable them, unread by DeepSpeed's
+engine) or disabled; activation quantization asked for beyond those defaults is refused by name.
+
 ``q_groups`` is DeepSpeed's "groups per output row" (each row of ``K`` inputs is cut into ``G`` groups of
 ``ceil(K / G)`` columns); ``group_size`` (ours) gives the columns per group directly. Defaults: int8 per channel
 (one group per row), int4 groups of 128 columns (clamped to the row length). ``lm_head``: also quantize the LM head
@@ -40,6 +43,11 @@ _TOP_KEYS = ("enabled", "weight", "activation", "qkv")
 _WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "lm_head", "quantized_initialization",
                 "post_init_quant")  # fmt: skip
 _Q_TYPES = {"symmetric": True, "asymmetric": False}
+# DeepSpeed's ``quant.activation`` / ``quant.qkv`` sections and their defaults (DeepSpeed 0.16.5). DeepSpeed fills them
+# in (enabled=True) but its engine never reads them; a section holding only these values is accepted with one info
+# line, any other value asks for activation quantization, which is refused by name.
+_DS_ACTIVATION_DEFAULTS = {"enabled": True, "num_bits": 8, "q_type": "symmetric", "q_groups": 1}
+_DS_QKV_DEFAULTS = {"enabled": True}
 
 
 def _check_keys(section: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
@@ -124,13 +132,8 @@ def parse_quant(value: Any) -> QuantSettings | None:
         raise ValueError(f"quant.enabled must be True or False, got {enabled!r}.")
     if not enabled:
         return None
-    for key in ("activation", "qkv"):
-        sub = value.get(key)
-        if sub not in (None, False, {}) and not (isinstance(sub, Mapping) and sub.get("enabled") is False):
-            raise ValueError(
-                f"quant.{key}={sub!r}: only weight-only quantization is supported (activations stay in the model's "
-                f"dtype); remove quant.{key} or set quant.{key}.enabled=False."
-            )
+    _check_unread_section(value.get("activation"), "activation", _DS_ACTIVATION_DEFAULTS)
+    _check_unread_section(value.get("qkv"), "qkv", _DS_QKV_DEFAULTS)
     weight = value.get("weight") or {}
     if not isinstance(weight, Mapping):
         raise ValueError(f"quant.weight must be a dict such as {{'num_bits': 4, 'q_groups': 1}}, got {weight!r}.")
@@ -167,6 +170,34 @@ def parse_quant(value: Any) -> QuantSettings | None:
     else:
         q_groups = 1  # int8: per channel
     return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head)
+
+
+def _check_unread_section(sub: Any, key: str, defaults: dict[str, Any]) -> None:
+    """Accept DeepSpeed's ``quant.<key>`` section at its defaults (or disabled): DeepSpeed's engine never reads it
+    either. Refuse any other value by name: activation quantization is not implemented (weights only)."""
+    from .config_compat import log_no_effect
+
+    if sub in (None, False) or (isinstance(sub, Mapping) and not sub):
+        return
+    if sub is True:
+        sub = {"enabled": True}
+    if not isinstance(sub, Mapping):
+        raise ValueError(f"quant.{key} must be a dict such as {defaults!r}, got {sub!r}.")
+    _check_keys(sub, tuple(defaults), f"quant.{key}")
+    if sub.get("enabled", True) is False:
+        return
+    changed = {k: v for k, v in sub.items() if v != defaults[k]}
+    if changed:
+        name, val = next(iter(changed.items()))
+        raise ValueError(
+            f"quant.{key}.{name}={val!r}: {key} quantization is not supported, only weight-only quantization "
+            f"(activations stay in the model's dtype; DeepSpeed's engine does not read quant.{key} either). Remove "
+            f"quant.{key}, or keep DeepSpeed's defaults {defaults!r}, or set quant.{key}.enabled=False."
+        )
+    log_no_effect(
+        f"quant.{key}",
+        f"DeepSpeed's default section (enabled) that its engine never reads; {key} values stay in the model's dtype",
+    )
 
 
 def merge_int8_dtype(values: dict[str, Any]) -> dict[str, Any]:
