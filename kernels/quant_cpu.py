@@ -35,6 +35,13 @@ rounded once to ``x.dtype``. With
 ``compute_dtype=torch.bfloat16`` the activations and the result are rounded to bf16 (2^-8 relative each): faster on
 CPUs whose torch kernels vectorize only bf16 (measured in docs/kernels.md), not exact.
 
+Validation: torch's weight ops are not right everywhere (``torch._weight_int8pack_mm`` with bf16 activations at ``K``
+not a multiple of 16 returns garbage or crashes on torch 2.13; table in docs/quantization.md), so before a kind other
+than ``dequant`` is used :func:`pack_for_cpu` checks it once per shape class (:func:`check_kind`, cached): first
+:func:`known_bad`'s rules (a segmentation fault cannot be probed in-process), then a probe of a few milliseconds
+against the exact dequantized reference. A kind that fails is not used: the weight is packed as ``dequant`` (the
+reference's own computation) with one info line naming the kind, the reason and the fallback.
+
 The packed layouts are torch's internal ones: never save them; pack again at load.
 ``python -m hf_dsinfer.kernels.quant_cpu`` measures every kind against fp32 ``F.linear`` (see :func:`main`).
 """
@@ -42,6 +49,7 @@ The packed layouts are torch's internal ones: never save them; pack again at loa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
@@ -50,14 +58,20 @@ import torch.nn.functional as F
 from .quant_format import QuantSpec
 
 __all__ = [
+    "FALLBACK_KIND",
     "KINDS",
     "CpuPackedWeight",
+    "check_kind",
     "cpu_quant_matmul",
     "default_kind",
     "fbgemm_available",
+    "known_bad",
     "pack_for_cpu",
     "supported_kinds",
 ]
+
+# hf_dsinfer's logger by name (``hf_dsinfer.log`` imports transformers, which kernels/ must not): same object.
+_logger = logging.getLogger("transformers.hf_dsinfer")
 
 KINDS = ("fp16gemm", "fp16gemm_exact", "int8pack", "int4pack", "dequant")
 #: fp16gemm_exact with groups runs M * G rows through one GEMM up to this many (decode); more dequantize per call.
@@ -195,7 +209,8 @@ def pack_for_cpu(
 ) -> CpuPackedWeight:
     """Pack a :mod:`.quant_format` weight for :func:`cpu_quant_matmul` (once, at load; the inputs are not kept
     unless ``kind="dequant"``). ``kind``: one of :data:`KINDS` (default: :func:`default_kind`); ``compute_dtype``:
-    fp32 (exact) or bf16 (see the module docstring)."""
+    fp32 (exact) or bf16 (see the module docstring). A kind that :func:`check_kind` rejects for this shape is
+    replaced by :data:`FALLBACK_KIND` (one info line per shape class): the result's ``kind`` says which was used."""
     spec = spec.for_features(in_features)
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
@@ -203,10 +218,25 @@ def pack_for_cpu(
     if kind not in supported_kinds(spec, in_features):
         raise ValueError(f"kind={kind!r} cannot hold {spec} (in_features={in_features}); use one of "
                          f"{supported_kinds(spec, in_features)}")  # fmt: skip
+    if kind.startswith("fp16gemm") and compute_dtype != torch.float32:
+        raise ValueError(f"kind={kind!r} computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
+    if kind != FALLBACK_KIND and check_kind(kind, spec, in_features, qweight.shape[0], compute_dtype) is not None:
+        kind = FALLBACK_KIND
+    return _pack(qweight, scales, zeros, spec, in_features, kind, compute_dtype)
+
+
+def _pack(
+    qweight: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
+    spec: QuantSpec,
+    in_features: int,
+    kind: str,
+    compute_dtype: torch.dtype,
+) -> CpuPackedWeight:
+    """:func:`pack_for_cpu` without the checks (``spec`` already for ``in_features``, ``kind`` supported)."""
     n, k = qweight.shape[0], in_features
     if kind.startswith("fp16gemm"):
-        if compute_dtype != torch.float32:
-            raise ValueError(f"kind={kind!r} computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
         if spec.num_bits == 4:
             from .quant_format import unpack_int4
 
@@ -265,6 +295,81 @@ def pack_for_cpu(
     return CpuPackedWeight("int4pack", packed, pairs, None, spec, k, n, group, k_pad, compute_dtype)
 
 
+# -- validation: a kind runs only where it computes the reference ----------------------------------------------------
+
+#: The kind every spec can use and that computes the reference's own values (no torch weight op involved).
+FALLBACK_KIND = "dequant"
+#: Relative error (max |got - want| over max |want|) a probe accepts: fp32 compute differs from the reference only in
+#: summation order (and fp16gemm with groups by one fp16 rounding, ~1e-3); bf16 compute rounds activations, scales
+#: and the output to bf16 (2^-8 each). The failures seen are 1e7 to 1e38 or NaN.
+_PROBE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+_PROBE_ROWS = (1, 5)  # a decode row and a few rows of a batch
+_checked: dict[tuple, str | None] = {}  # shape class -> None (checked good) or why the kind is not used
+
+
+def known_bad(kind: str, in_features: int, compute_dtype: torch.dtype) -> str | None:
+    """Why ``kind`` must not run at ``K = in_features`` with ``compute_dtype`` by rule (None: no rule against it).
+
+    These are the combinations measured wrong on torch 2.13.0+cpu (docs/quantization.md, *CPU kinds torch gets
+    wrong*): ``torch._weight_int8pack_mm`` with bf16 activations and K not a multiple of 16 returned values of 1e7 to
+    1e38 (and NaN) at 1 and 3 rows and crashed the process (segmentation fault) at 2 and at 4 or more rows, for every
+    such K tried (8 to 1032); every K that is a multiple of 16 was right, and so were fp16 and fp32 activations. A
+    crash cannot be probed, so the rule applies before any probe and on every torch version (the fallback is exact).
+    """
+    if kind == "int8pack" and compute_dtype == torch.bfloat16 and in_features % 16:
+        return (
+            "torch._weight_int8pack_mm with bf16 activations returns garbage or crashes at K not a multiple of 16 "
+            "(measured on torch 2.13)"
+        )
+    return None
+
+
+def check_kind(
+    kind: str, spec: QuantSpec, in_features: int, out_features: int, compute_dtype: torch.dtype = torch.float32
+) -> str | None:
+    """None when ``kind`` computes the exact dequantized reference for this shape class, else why it is not used.
+
+    The shape class is (kind, compute dtype, spec, K, N mod 16): what torch's ops tile by. Checked once per class
+    and cached: :func:`known_bad`'s rules, then a probe (:data:`_PROBE_ROWS` rows times a seeded random weight of
+    16 to 31 rows, a few milliseconds). A rejection logs one info line naming the kind and :data:`FALLBACK_KIND`.
+    """
+    spec = spec.for_features(in_features)
+    key = (kind, compute_dtype, spec, in_features, out_features % 16)
+    if key not in _checked:
+        why = known_bad(kind, in_features, compute_dtype) or _probe(kind, spec, in_features, out_features,
+                                                                     compute_dtype)  # fmt: skip
+        _checked[key] = why
+        if why is not None:
+            dtype = str(compute_dtype).removeprefix("torch.")
+            _logger.info(
+                "hf_dsinfer: CPU quantized kind %r not used for %s at K=%d (%s compute): %s; packing as %r instead "
+                "(exact, slower)", kind, spec, in_features, dtype, why, FALLBACK_KIND,
+            )  # fmt: skip
+    return _checked[key]
+
+
+def _probe(kind: str, spec: QuantSpec, k: int, n: int, compute_dtype: torch.dtype) -> str | None:
+    """Pack a seeded random weight of ``16 + n % 16`` rows and ``k`` columns as ``kind`` and compare a few rows with
+    :func:`~.quant_format.quant_matmul_reference`; None when it agrees, else what went wrong."""
+    from .quant_format import quant_matmul_reference, quantize_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16 + n % 16, k, generator=gen) / k**0.5  # [N', K]
+    q, s, z = quantize_weight(w, spec, scale_dtype=torch.float32)
+    try:
+        packed = _pack(q, s, z, spec, k, kind, compute_dtype)
+        for m in _PROBE_ROWS:
+            x = torch.randn(m, k, generator=gen)  # [M, K]
+            want = quant_matmul_reference(x.to(compute_dtype).float(), q, s, z, spec, k)  # [M, N']
+            got = cpu_quant_matmul(x, packed)
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            if not err <= _PROBE_TOLERANCE[compute_dtype]:  # NaN fails too
+                return f"a {m}x{k} probe differed from the dequantized reference by {err:.3g} (relative)"
+    except Exception as e:  # noqa: BLE001 - an op missing or refusing this shape: the kind is simply not used
+        return f"a probe raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
+
+
 def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ dequant(w).T (+ bias) -> [..., N]`` in ``x.dtype`` with a :func:`pack_for_cpu` weight."""
     if x.shape[-1] != packed.in_features:
@@ -285,8 +390,8 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
             ye = _fp16_weight_linear(xe, packed.weight, n).view(groups, m, n)  # [G, M, N]
             y = (ye * packed.scales[:, None, :]).sum(0)  # [M, N]: per-group scales, then the sum over groups
         else:  # many rows (prefill): dequantize once for all of them
-            return cpu_quant_matmul(x, pack_for_cpu(*packed.source, packed.spec, packed.in_features, kind="dequant"),
-                                    bias)  # fmt: skip
+            dequant = _pack(*packed.source, packed.spec, packed.in_features, "dequant", torch.float32)
+            return cpu_quant_matmul(x, dequant, bias)
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
         q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]

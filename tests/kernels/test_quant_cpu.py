@@ -3,12 +3,16 @@ matmuls (torch's int8/int4 weight ops and the dequant fallback) against quant_ma
 
 import pytest
 import torch
+from hf_dsinfer.kernels import quant_cpu
 from hf_dsinfer.kernels.quant_cpu import (
+    FALLBACK_KIND,
     FP16GEMM_MAX_EXPANDED_ROWS,
     CpuPackedWeight,
+    check_kind,
     cpu_quant_matmul,
     default_kind,
     fbgemm_available,
+    known_bad,
     pack_for_cpu,
     supported_kinds,
 )
@@ -128,6 +132,7 @@ def test_cpu_kinds_match_reference(case):
     assert default_kind(spec, k) == ("fp16gemm" if per_channel and fbgemm_available() else "dequant")
     for kind in kinds:
         exact = pack_for_cpu(q, s, z, spec, k, kind=kind)
+        assert exact.kind == kind  # fp32 compute: every kind passes its check on these shapes
         rounded = kind == "fp16gemm" and not per_channel
         torch.testing.assert_close(
             cpu_quant_matmul(x, exact, b), want, **(FP16_ROUNDED if rounded else EXACT), msg=kind
@@ -135,6 +140,8 @@ def test_cpu_kinds_match_reference(case):
         if kind.startswith("fp16gemm"):
             continue  # computes in fp32 only
         fast = pack_for_cpu(q, s, z, spec, k, kind=kind, compute_dtype=torch.bfloat16)
+        # int8pack with bf16 at K = 72 (not a multiple of 16) is torch's known-bad case: packed as dequant instead
+        assert fast.kind == (FALLBACK_KIND if known_bad(kind, k, torch.bfloat16) else kind)
         got = cpu_quant_matmul(x, fast, b)
         assert got.dtype == torch.float32
         want16 = quant_matmul_reference(x.bfloat16(), q, s, z, spec, k, b).float()  # activations rounded first
@@ -224,3 +231,69 @@ def test_cpu_quant_matmul_under_torch_compile(kind):
     x = torch.randn(2, 96)
     got = torch.compile(layer, fullgraph=True)(x)
     torch.testing.assert_close(got, quant_matmul_reference(x, q, s, z, spec, 96, layer.bias.detach()), **EXACT)
+
+
+# torch 2.13's torch._weight_int8pack_mm with bf16 activations at K not a multiple of 16 returned 1e7-1e38 at 1 and 3
+# rows and crashed at 2 and 4+ rows (docs/quantization.md): these shapes would crash this process if it still ran.
+BAD_INT8PACK_K = (8, 72, 100, 136)
+
+
+@pytest.mark.parametrize("k", BAD_INT8PACK_K)
+def test_int8pack_bf16_bad_k_is_never_used(k, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(quant_cpu, "_checked", {})  # a fresh cache: the info line is logged once, here
+    spec = QuantSpec(8, k, True)
+    q, s, z = quantize_weight(_weight(40, k), spec)
+    assert "int8pack" in supported_kinds(spec, k) and known_bad("int8pack", k, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="transformers.hf_dsinfer"):
+        packed = [pack_for_cpu(q, s, z, spec, k, compute_dtype=torch.bfloat16) for _ in range(3)]  # default: int8pack
+    assert all(p.kind == FALLBACK_KIND for p in packed)
+    lines = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert len(lines) == 1 and "'int8pack'" in lines[0] and f"K={k}" in lines[0] and "'dequant'" in lines[0], lines
+    for m in (1, 2, 3, 4, 8):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want = quant_matmul_reference(x.bfloat16().float(), q, s, z, spec, k)
+        torch.testing.assert_close(cpu_quant_matmul(x, packed[0]), want, **BF16_COMPUTE)
+    # fp32 activations were right at every K measured: int8pack stays, and its probe passed
+    assert pack_for_cpu(q, s, z, spec, k, kind="int8pack").kind == "int8pack"
+
+
+@pytest.mark.parametrize("k", (16, 48, 64, 144))
+def test_int8pack_bf16_good_k_is_used(k):
+    spec = QuantSpec(8, k, True)
+    q, s, z = quantize_weight(_weight(40, k), spec)
+    assert known_bad("int8pack", k, torch.bfloat16) is None
+    packed = pack_for_cpu(q, s, z, spec, k, compute_dtype=torch.bfloat16)
+    assert packed.kind == "int8pack"
+    for m in (1, 2, 3, 4, 8):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want = quant_matmul_reference(x.bfloat16().float(), q, s, z, spec, k)
+        torch.testing.assert_close(cpu_quant_matmul(x, packed), want, **BF16_COMPUTE)
+
+
+@pytest.mark.parametrize("failure", ["garbage", "raises"])
+def test_kind_failing_its_probe_falls_back(failure, monkeypatch, caplog):
+    """A kind whose op goes wrong on a shape no rule names is caught by the probe: packed as dequant, one info line."""
+    import logging
+
+    monkeypatch.setattr(quant_cpu, "_checked", {})
+    real = torch._weight_int8pack_mm
+
+    def broken(x, w, scales):
+        if failure == "raises":
+            raise RuntimeError("unsupported shape")
+        return real(x, w, scales) * 1e20
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", broken)
+    spec = QuantSpec(8, 64, True)
+    q, s, z = quantize_weight(_weight(24, 64), spec)
+    with caplog.at_level(logging.INFO, logger="transformers.hf_dsinfer"):
+        packed = pack_for_cpu(q, s, z, spec, 64, kind="int8pack")
+        again = pack_for_cpu(q, s, z, spec, 64, kind="int8pack")  # cached: no second probe, no second line
+    assert packed.kind == again.kind == FALLBACK_KIND
+    why = check_kind("int8pack", spec, 64, 24)
+    assert ("differed from the dequantized reference" if failure == "garbage" else "raised RuntimeError") in why
+    assert len([r for r in caplog.records if "not used" in r.getMessage()]) == 1
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(cpu_quant_matmul(x, packed), quant_matmul_reference(x, q, s, z, spec, 64), **EXACT)
