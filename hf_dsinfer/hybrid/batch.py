@@ -2,68 +2,67 @@
 
 TRL's ``use_transformers_continuous_batching=True`` calls ``model.generate_batch(prompt_ids, generation_config=...,
 continuous_batching_config=..., progress_bar=...)`` on lists of token ids and reads ``generated_tokens`` from the
-returned ``{request_id: GenerationOutput}``. The engine's inference copy has a static KV cache, not transformers'
-paged one, so the prompts are left-padded into batches of at most ``max_batch_size`` rows and run through the
-engine's ``generate`` (the fast loop); the outputs come back in transformers' form and order: ``req_<i>`` per prompt,
-``num_return_sequences - 1`` children ``req_<i>__child#<j>`` before each parent, tokens up to and including the first
-EOS. The continuous-batching settings (block sizes, scheduler) have no meaning for a static cache and are ignored.
+returned ``{request_id: GenerationOutput}``. The engine's inference copy runs it with continuous batching over a
+paged KV cache (:mod:`hf_dsinfer.serving`): requests join and leave between steps, and the ``num_generations``
+completions of one prompt share its KV blocks, so the prompt is prefilled once. The inference weights are the
+engine's persistent buffers, refreshed in place by ``eval()`` as for ``generate``; KV blocks kept from an earlier
+call are forgotten at each call (they were computed with older weights).
+
+With tensor parallelism (``inference_tp_size > 1``), or an architecture the paged engine cannot serve exactly, the
+prompts are left-padded into batches of at most ``max_batch_size`` rows and run through the engine's ``generate``
+(:mod:`hf_dsinfer.serving.padded`); the outputs have the same form and order either way.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+from ..serving.hf_api import ENGINE_ATTR, run_generate_batch
+from ..serving.padded import padded_generate_batch
+from ..serving.runner import unsupported_reason
 
 
 def generate_batch(
     engine: Any,
     inputs: list[list[int]],
     generation_config: Any = None,
+    continuous_batching_config: Any = None,
     max_new_tokens: int | None = None,
+    record_timestamps: bool = False,
     **ignored: Any,
 ) -> dict[str, Any]:
     """Generate for each prompt of ``inputs`` (lists of token ids) with ``engine``; transformers' output format."""
-    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
-
+    if not engine.in_inference:
+        with engine.inference():  # refresh the inference weights from the training ones, as generate does
+            return generate_batch(
+                engine, inputs, generation_config, continuous_batching_config, max_new_tokens, record_timestamps
+            )
     tp = getattr(engine, "tp", None)  # inference_tp_size > 1: every rank of the group makes the same calls
     if not inputs and tp is None:
         return {}
-    module = engine.module if engine.module is not None else engine.weights.hf_model
-    config = generation_config if generation_config is not None else module.generation_config
+    module = engine.module
+    hf = engine.weights.hf_model
+    config = generation_config if generation_config is not None else hf.generation_config
+    if module is not None and tp is None and unsupported_reason(module) is None:
+        module.generation_config = hf.generation_config  # the user's generation defaults, shared
+        out = run_generate_batch(module, inputs, config, continuous_batching_config, record_timestamps, max_new_tokens)
+        it = engine.stats.last
+        if it is not None:
+            it.generate_calls += 1
+            it.samples += len(out)
+            it.new_tokens += sum(len(o.generated_tokens) for o in out.values())
+        if engine.release_inference_cache:
+            getattr(module, ENGINE_ATTR).runner.cache.release()  # allocated again on the next call
+        return out
     copies = int(getattr(config, "num_return_sequences", None) or 1)
-    eos = config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
-    pad = config.pad_token_id if config.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
-    device = engine.device
-    rows = max(1, engine.config.max_batch_size // copies)  # prompts per call, so expanded rows fit the KV cache
-    extra: dict[str, Any] = {"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}
 
-    starts = list(range(0, len(inputs), rows))
-    if tp is not None:  # a rank with fewer chunks joins the group's remaining calls with an empty one
-        starts += [len(inputs)] * (tp.max_count(len(starts), device) - len(starts))
-    results: dict[str, Any] = {}
-    for start in starts:
-        chunk = inputs[start : start + rows]
-        width = max((len(p) for p in chunk), default=1)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, P] left-padded
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for i, prompt in enumerate(chunk):
-            if prompt:
-                ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-                mask[i, width - len(prompt) :] = 1
-        out = engine.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, **extra
-        )
-        seqs = (out if isinstance(out, torch.Tensor) else out.sequences)[:, width:].tolist()  # [B * copies, N]
-        for i, prompt in enumerate(chunk):
-            request = f"req_{start + i}"
-            names = [f"{request}__child#{j}" for j in range(copies - 1)] + [request]
-            for j, name in enumerate(names):
-                tokens = seqs[i * copies + j]
-                end = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
-                results[name] = GenerationOutput(
-                    request_id=name, prompt_ids=list(prompt), generated_tokens=tokens[:end],
-                    status=RequestStatus.FINISHED,
-                )  # fmt: skip
-    return results
+    def chunk_starts(starts: list[int]) -> list[int]:
+        if tp is None:
+            return starts
+        # a rank with fewer chunks joins the group's remaining calls with an empty one
+        return starts + [len(inputs)] * (tp.max_count(len(starts), engine.device) - len(starts))
+
+    return padded_generate_batch(
+        engine.generate, inputs, config, rows=max(1, engine.config.max_batch_size // copies), device=engine.device,
+        max_new_tokens=max_new_tokens, chunk_starts=chunk_starts,
+    )  # fmt: skip
