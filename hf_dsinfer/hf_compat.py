@@ -184,3 +184,18 @@ def register_quantization_method(name: str, config_cls: type, quantizer_cls: typ
         auto.register_quantization_config(name)(config_cls)
     if name not in quantizer_map:
         auto.register_quantizer(name)(quantizer_cls)
+
+
+def can_build_from_config(model_cls: type) -> bool:
+    """Whether ``model_cls`` is a transformers model class :func:`model_from_config` can build."""
+    return hasattr(model_cls, "_from_config")
+
+
+def keep_in_fp32_modules(model: Any) -> tuple[str, ...]:
+    """Module names transformers keeps in fp32 for this architecture (``_keep_in_fp32_modules``)."""
+    return tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+
+def is_expert_parallel(experts: Any) -> bool:
+    """Whether transformers' own expert parallelism already split this fused experts module."""
+    return bool(getattr(experts, "_is_expert_parallel", False))

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import hf_compat
 from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
 from ..generation.loop import check_capacity
+from ..generation.processors import resolve_generation_config
 from ..log import logger
 from ..modules import cpu_packed
 from ..policies import get_injection, inject
@@ -166,7 +168,7 @@ class HybridEngine:
             delattr(config, "quantization_config")
         dtype = self.config.torch_dtype
         with torch.device("meta"):  # structure only: no memory, no random init
-            infer = type(hf)._from_config(config, dtype=dtype)
+            infer = hf_compat.model_from_config(type(hf), config, dtype=dtype)
         self._match_layer_lists(infer)
         self.weights.check_modules(infer)  # unknown adapters are refused before any memory is allocated
         if self.tp is not None:
@@ -462,10 +464,9 @@ class HybridEngine:
         if self.sampling == "hf" and state is not None and self._samples(kwargs):
             width = _prompt_width(args, kwargs)
             if state.runtime is not None and width is not None:
-                gen_config, _ = self.module._prepare_generation_config(
-                    kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
-                )
-                check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
+                gen_config = resolve_generation_config(self.module, kwargs)
+                if gen_config is not None:  # an invalid config: transformers' generate raises its own error below
+                    check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
             with state.lock or nullcontext():  # one static cache: concurrent calls take turns
                 return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
         step = getattr(state, "step", None)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation.processors import resolve_generation_config
 from ..log import logger
 from ..parallel.groups import TPGroup, init_distributed, resolve_tp_group
 
@@ -171,9 +172,9 @@ class InferenceTP:
         lengths: list[int] = [0, 0, 0, 0]
         try:
             ids, mask, kwargs = self._rows(args, kwargs, module, device)
-            gen_config, _ = module._prepare_generation_config(
-                kwargs.get("generation_config"), **{k: v for k, v in kwargs.items() if k != "generation_config"}
-            )
+            gen_config = resolve_generation_config(module, kwargs)
+            if gen_config is None:
+                raise ValueError("the generation config of this call is invalid (transformers' generate says why)")
             settings = {k: v for k, v in kwargs.items() if k != "generation_config"}
             lengths = [ids.shape[0], ids.shape[1], _digest((sorted(settings.items()), repr(gen_config))), 0]
             if gen_config.min_length:

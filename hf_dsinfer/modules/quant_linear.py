@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from hf_dsinfer import hf_compat
 from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quant_matmul_reference, quantize_weight
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -256,7 +257,7 @@ def quantizable_linears(model: nn.Module, lm_head: bool = False) -> Iterator[tup
             head = get_head()
         except (AttributeError, NotImplementedError):
             head = None
-    keep_fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep_fp32 = set(hf_compat.keep_in_fp32_modules(model))
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .. import hf_compat
 from ..modules.quant_linear import QuantLinear
 from .autotp import TPPlan, build_plan, local_config
 from .groups import TPGroup, all_reduce_
@@ -77,7 +78,7 @@ def apply_plan(
         else:
             continue
         new_param = nn.Parameter(new, requires_grad=False)
-        new_param._is_hf_initialized = True  # transformers' init skips it (the loader path calls initialize_weights)
+        hf_compat.mark_initialized(new_param)  # transformers' init skips it (the loader path calls initialize_weights)
         for module, pname in places:
             module._parameters[pname] = new_param
         if on_loaded is not None:
@@ -113,6 +114,8 @@ def apply_plan(
         module.config = local_config(module.config, overrides)
     if plan.embedding is not None:
         name, start, stop = plan.embedding
+        make_vocab_parallel_embedding(model.get_submodule(name), start, stop, tp)
+    for name, start, stop in plan.tied_embeddings:  # encoder-decoders' shared / embed_tokens tied to the split vocab
         make_vocab_parallel_embedding(model.get_submodule(name), start, stop, tp)
     if plan.head is not None:
         name, sizes = plan.head

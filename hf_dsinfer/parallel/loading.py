@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .. import hf_compat
 from .apply import apply_plan, finish, parameter_groups
 from .autotp import TPPlan, build_plan
 from .groups import TPGroup, barrier
@@ -124,7 +125,7 @@ def _build_meta(cls: type, config: Any, dtype: torch.dtype, attn_implementation:
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
-        return cls._from_config(config, **kwargs)
+        return hf_compat.model_from_config(cls, config, **kwargs)
 
 
 def materialize(
@@ -179,7 +180,7 @@ def _materialize_buffers(model: nn.Module, index: SafetensorsIndex, prefix: str,
             key = index.find([full], prefix) if bname in persistent else None
             if key is not None:
                 value = index.read(key, None).to(device)
-                value._is_hf_initialized = True
+                hf_compat.mark_initialized(value)
             else:
                 value = torch.empty_like(buf, device=device)
                 pending = True

@@ -25,6 +25,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .. import hf_compat
+
 ATTN = "@attn"
 _SCALAR_ANSWERS = {"item": 0, "__bool__": False, "tolist": [], "__contains__": False, "__int__": 0, "__index__": 0,
                    "__float__": 0.0}
@@ -100,13 +102,13 @@ def _meta_twin(model: nn.Module) -> nn.Module:
     """The same architecture on the meta device (structure and names identical; no memory)."""
     if all(p.is_meta for p in model.parameters()):
         return model
-    if not hasattr(model, "config") or not hasattr(type(model), "_from_config"):
+    if not hasattr(model, "config") or not hf_compat.can_build_from_config(type(model)):
         raise ValueError(
             f"AutoTP traces transformers models (PreTrainedModel); {type(model).__name__} is not one. Pass "
             "injection_policy={LayerClass: ('attn.out_proj', 'mlp.down_proj')} or use a transformers model."
         )
     with torch.device("meta"):
-        return type(model)._from_config(copy.deepcopy(model.config))
+        return hf_compat.model_from_config(type(model), copy.deepcopy(model.config))
 
 
 def _normalizes_sibling_projection(norm: str, taint: frozenset[str], result: Trace) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import hf_compat
 from ..modules import LayerSpec
 from ..modules.moe import MoESpec
 from .base import Cat, Source, register
@@ -54,7 +55,7 @@ class _MoEPolicy(LlamaPolicy):
                     return f"its experts have {flag}=True, which the fused MoE block does not compute"
             if getattr(experts, "has_gate", True) is False or getattr(experts, "is_concatenated", True) is False:
                 return "its experts are not gated [gate; up] MLPs"
-            if getattr(experts, "_is_expert_parallel", False) and not hasattr(experts, _EXPERT_BEGIN_ATTR):
+            if hf_compat.is_expert_parallel(experts) and not hasattr(experts, _EXPERT_BEGIN_ATTR):
                 return "its experts were split by transformers' own expert parallelism"
             break
         return super().unsupported(model, max_out_tokens)
