@@ -21,8 +21,9 @@ How it stays correct:
 * the GEMM runs as the custom op ``torch.ops.hf_dsinfer.cpu_packed_linear(x, weight, bias, slot)``: the compiled CPU
   decode step calls it from its graph with the *plain* weight as input, so the staleness check runs on every call,
   inside or outside ``torch.compile`` (an opaque oneDNN tensor cannot be a graph input without freezing);
-* where the ops are missing (non-x86, a torch build without oneDNN) or fail a one-off probe, every linear keeps
-  ``F.linear``, silently (a debug log line), and so does anything that needs autograd or is not fp32 on CPU.
+* where the ops are missing (non-x86, a torch build without oneDNN, an op that raises: a debug log line) or compute
+  something other than ``F.linear`` in a one-off probe (one info line naming the op and the fallback), every linear
+  keeps ``F.linear``, and so does anything that needs autograd or is not fp32 on CPU.
 
 Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU holds its linear and LM-head
 weights twice (the embedding is not packed). ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read
@@ -71,32 +72,39 @@ _stats = {"packs": 0}  # how many weights were (re-)packed in this process (test
 _on = False  # the process-wide switch, refreshed by sync() outside compiled graphs (a traced read is guarded)
 
 
-def _probe() -> bool:
-    """Whether oneDNN's packed linear exists here and computes ``F.linear`` (a 24x40 product; milliseconds)."""
+def _probe() -> tuple[bool, str | None]:
+    """Whether oneDNN's packed linear exists here and computes ``F.linear`` (a 24x40 product; milliseconds), and
+    why not when it runs but computes wrong values (None when it is absent: not x86, no oneDNN, an op raising)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i686"):
-        return False  # measured on x86 only; other CPUs keep F.linear
+        return False, None  # measured on x86 only; other CPUs keep F.linear
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
+        return False, None
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(40, 24, generator=g)  # [out, in]
-        x = torch.randn(5, 24, generator=g)
+        x = torch.randn(5, 24, generator=g)  # [M, in]
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4))
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # [M, out]
     except Exception:  # noqa: BLE001 - missing op, unsupported build: packing is only an optimization
-        return False
+        return False, None
+    if not torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4):
+        return False, f"the probe differed from F.linear by {float((y - F.linear(x, w)).abs().max()):.3g}"
+    return True, None
 
 
 def available() -> bool:
-    """Whether the packed GEMM works in this process (probed once, quietly)."""
+    """Whether the packed GEMM works in this process (probed once; one info line when it computes wrong values)."""
     global _available
     if _available is None:
-        _available = _probe()
+        _available, why = _probe()
         if not _available:
             from ..log import logger  # late: the logger imports transformers
 
-            logger.debug("hf_dsinfer: oneDNN packed linear unavailable here; CPU linears use F.linear")
+            if why is None:
+                logger.debug("hf_dsinfer: oneDNN packed linear unavailable here; CPU linears use F.linear")
+            else:
+                logger.info("hf_dsinfer: oneDNN packed linear (mkldnn._linear_pointwise) not used: %s; CPU linears "
+                            "use F.linear", why)  # fmt: skip
     return _available
 
 

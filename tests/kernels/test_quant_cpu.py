@@ -297,3 +297,23 @@ def test_kind_failing_its_probe_falls_back(failure, monkeypatch, caplog):
     assert len([r for r in caplog.records if "not used" in r.getMessage()]) == 1
     x = torch.randn(3, 64)
     torch.testing.assert_close(cpu_quant_matmul(x, packed), quant_matmul_reference(x, q, s, z, spec, 64), **EXACT)
+
+
+def test_onednn_packed_linear_probe_rejects_wrong_values(monkeypatch, caplog):
+    """modules/cpu_packed.py's one-off probe: an op computing wrong values is not used, with one info line."""
+    import logging
+
+    from hf_dsinfer.modules import cpu_packed
+
+    monkeypatch.setattr(cpu_packed, "_available", None)
+    monkeypatch.setattr(cpu_packed.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, b: w)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *rest: x @ w.t() + 1.0)  # off by one
+    with caplog.at_level(logging.INFO, logger="transformers.hf_dsinfer"):
+        assert cpu_packed.available() is False
+        assert cpu_packed.available() is False  # probed once
+    lines = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert len(lines) == 1 and "_linear_pointwise" in lines[0] and "F.linear" in lines[0], lines
+    monkeypatch.undo()
+    cpu_packed._available = None  # the real probe again for later tests
