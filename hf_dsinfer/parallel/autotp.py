@@ -9,6 +9,8 @@ column-parallel linears that feed it.
 * MLP groups split the intermediate dim by the grain rule (remainder to the last rank); fused ``[gate | up]``
   splits each half.
 * The word embedding and the LM head split along the vocab (tied weights get the same slice, so they stay tied).
+  Other ``nn.Embedding`` modules holding the same weight (an encoder-decoder's ``shared``, ``encoder.embed_tokens``
+  and ``decoder.embed_tokens``: T5, Marian, BART) become vocab-parallel with the same slice.
 * Everything else (norms, position embeddings, projections outside blocks) is replicated.
 
 The plan is pure data (:class:`TPPlan`): parameter name -> :class:`~.shard.Shard`, plus module edits. It is built on
@@ -56,6 +58,8 @@ class TPPlan:
     row_parallel: list[str] = field(default_factory=list)  # modules wrapped by RowParallelLinear
     column_parallel: list[str] = field(default_factory=list)
     embedding: tuple[str, int, int] | None = None  # (module, vocab start, vocab stop)
+    # other nn.Embedding modules tied to the split embedding / head weight (encoder-decoders), same tuple layout
+    tied_embeddings: list[tuple[str, int, int]] = field(default_factory=list)
     head: tuple[str, list[int]] | None = None  # (module, every rank's vocab rows)
     attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> {attribute: local value}
     config_overrides: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> local config values
@@ -126,7 +130,8 @@ def _head_counts(config: Any) -> tuple[int, int, int]:
         kv = config.num_kv_heads
     if kv is None:
         kv = 1 if getattr(config, "multi_query", False) else heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # T5 spells the head width d_kv, which need not be d_model // num_heads (mT5-small: 512 / 6 heads of 64)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or config.hidden_size // heads
     return heads, kv, head_dim
 
 
@@ -136,9 +141,7 @@ def _groups_by_name(block_name: str, block: nn.Module, rows: list[str]) -> dict[
     out = {}
     for r in rows:
         parent = r.rpartition(".")[0]
-        feeders = frozenset(
-            f"{block_name}.{n}" for n in linears if n not in rows and n.rpartition(".")[0] == parent
-        )
+        feeders = frozenset(f"{block_name}.{n}" for n in linears if n not in rows and n.rpartition(".")[0] == parent)
         attention = any(s in parent.lower() for s in ("attn", "attention"))
         out[f"{block_name}.{r}"] = (feeders, attention)
     return out
@@ -187,7 +190,7 @@ def _block_groups(
 def _full_width_norms(block_name: str, block: nn.Module, trace: Trace | None, fed: set[str]) -> dict[str, str]:
     """column-parallel linear -> the norm over its whole output (OLMo-2's q/k norm); raises for one it cannot split."""
     out: dict[str, str] = {}
-    for norm, taint in (trace.norm_inputs.items() if trace is not None else ()):
+    for norm, taint in trace.norm_inputs.items() if trace is not None else ():
         if not norm.startswith(block_name + "."):
             continue
         module = dict_get(block, norm, block_name)
@@ -207,7 +210,7 @@ def _full_width_norms(block_name: str, block: nn.Module, trace: Trace | None, fe
 
 def dict_get(block: nn.Module, name: str, block_name: str) -> nn.Module:
     """The submodule ``name`` (a model-level name under ``block_name``) of ``block``."""
-    return block.get_submodule(name[len(block_name) + 1:])
+    return block.get_submodule(name[len(block_name) + 1 :])
 
 
 def _out_dim(module: nn.Module) -> int:
@@ -226,8 +229,9 @@ def _set_linear(plan: TPPlan, name: str, module: nn.Module, shard_out: Shard | N
         plan.row_parallel.append(name)
 
 
-def _attention_edits(plan: TPPlan, model: nn.Module, names: list[str], local_heads: int, local_kv: int, heads: int,
-                     kv: int, d: int) -> None:
+def _attention_edits(
+    plan: TPPlan, model: nn.Module, names: list[str], local_heads: int, local_kv: int, heads: int, kv: int, d: int
+) -> None:
     """Rewrite head counts on every module from the group's common ancestor down to its linears."""
     common = names[0].split(".")
     for n in names[1:]:
@@ -331,8 +335,10 @@ def build_plan(
                 _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d, tp_size, rank, norms)
             else:
                 if any(c in norms for c in feeders):
-                    raise ValueError(f"AutoTP: {norms[next(c for c in feeders if c in norms)]} normalizes the full "
-                                     f"output of an MLP projection of {row}; this pattern cannot be split.")
+                    raise ValueError(
+                        f"AutoTP: {norms[next(c for c in feeders if c in norms)]} normalizes the full "
+                        f"output of an MLP projection of {row}; this pattern cannot be split."
+                    )
                 _plan_mlp(plan, model, row, row_in, feeders, tp_size, rank, grain)
     plan_experts(plan, model, tp_size, rank, ep_size)  # MoE experts (parallel/moe.py)
     _plan_vocab(plan, model, tp_size, rank, grain)
@@ -381,6 +387,18 @@ def _plan_attention(plan, model, model_type, config, row, feeders, heads, kv, d,
     attention = row.rpartition(".")[0]
     if takes_alibi(model.get_submodule(attention)):
         plan.alibi[attention] = (part.q_start, part.q_stop, heads)
+    _plan_head_bias_tables(plan, model, attention, part, heads)
+
+
+def _plan_head_bias_tables(plan: TPPlan, model: nn.Module, attention: str, part: HeadPartition, heads: int) -> None:
+    """Per-head bias tables of an attention module (T5's ``relative_attention_bias``, ``nn.Embedding(buckets,
+    heads)``, whose output becomes the ``[1, heads, q, k]`` position bias every later layer reuses): keep the
+    columns of this rank's q heads, so the bias matches its local scores."""
+    for child_name, child in model.get_submodule(attention).named_children():
+        if isinstance(child, nn.Embedding) and child.embedding_dim == heads:
+            name = f"{attention}.{child_name}"
+            plan.shards[f"{name}.weight"] = Shard(1, ((part.q_start, part.q_stop),), heads)
+            plan.attrs.setdefault(name, {})["embedding_dim"] = part.num_heads
 
 
 def _plan_codegen_attention(plan, model, row, feeders, heads, d, tp, rank) -> None:
@@ -424,11 +442,13 @@ def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int, grain: int) 
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     emb = _module_name(model, get_in() if get_in else None)
+    split: dict[str, tuple[int, int]] = {}  # split module -> this rank's vocab range [start, stop)
     if emb is not None and isinstance(model.get_submodule(emb), nn.Embedding):
         vocab = model.get_submodule(emb).weight.shape[0]
         shard = even_shard(vocab, tp, rank, grain=grain, what="vocab_size")
         plan.shards[f"{emb}.weight"] = shard
         plan.embedding = (emb, *shard.ranges[0])
+        split[emb] = shard.ranges[0]
     head = _module_name(model, get_out() if get_out else None)
     if head is not None and isinstance(model.get_submodule(head), nn.Linear):
         module = model.get_submodule(head)
@@ -438,34 +458,42 @@ def _plan_vocab(plan: TPPlan, model: nn.Module, tp: int, rank: int, grain: int) 
         if module.bias is not None:
             plan.shards[f"{head}.bias"] = shard
         plan.head = (head, split_sizes(vocab, tp, grain, "vocab_size"))
-    _check_vocab_users(model, [n for n in (emb if plan.embedding else None, head if plan.head else None) if n])
+        split[head] = shard.ranges[0]
+    plan.tied_embeddings = _tied_vocab_users(model, split)
 
 
-def _check_vocab_users(model: nn.Module, split: list[str]) -> None:
-    """Raise when a module other than the vocab-parallel embedding / LM head holds one of their split weights.
+def _tied_vocab_users(model: nn.Module, split: dict[str, tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """The other modules holding a weight of the vocab-parallel embedding / LM head ``split`` (name -> range).
 
-    Encoder-decoders such as Marian and BART tie separate ``nn.Embedding`` modules (``shared``, the decoder's
-    ``embed_tokens``) to the input embedding: after the split such a module would hold only this rank's rows but
-    look up every id (an ``IndexError``, or silently wrong rows). T5 shares one module object, which is fine.
+    Encoder-decoders (T5, Marian, BART) tie separate ``nn.Embedding`` modules (``shared``, the encoder's and the
+    decoder's ``embed_tokens``) to the input embedding or the LM head. After the split such a module holds only this
+    rank's rows, so it becomes vocab-parallel too, with the same range: returned as ``(module, start, stop)``. Any
+    other module holding a split weight would look up every id in its own slice only: refused by name.
     """
     owners = {id(model.get_submodule(n)) for n in split}
-    params = {id(p) for n in split for p in model.get_submodule(n).parameters(recurse=False)}
+    ranges = {id(p): split[n] for n in split for p in model.get_submodule(n).parameters(recurse=False)}
     # A parent of the LM head holding its bias (RoBERTa's lm_head.bias is lm_head.decoder.bias) only reaches the
     # vocab through that child, which is vocab-parallel: not another user.
     parents = {".".join(n.split(".")[:i]) for n in split for i in range(1, n.count(".") + 1)}
-    others = [
-        f"{name}.{pname}"
-        for name, module in model.named_modules()
-        if id(module) not in owners and name not in parents
-        for pname, p in module.named_parameters(recurse=False)
-        if id(p) in params
-    ]
+    tied, others = [], []
+    for name, module in model.named_modules():
+        if id(module) in owners or name in parents:
+            continue
+        held = [(pname, ranges[id(p)]) for pname, p in module.named_parameters(recurse=False) if id(p) in ranges]
+        if not held:
+            continue
+        if isinstance(module, nn.Embedding) and [pname for pname, _ in held] == ["weight"]:
+            tied.append((name, *held[0][1]))
+        else:
+            others += [f"{name}.{pname}" for pname, _ in held]
     if others:
         raise ValueError(
             f"AutoTP: {', '.join(others)} share the vocab-split weight of {' / '.join(split)} but are not "
-            "vocab-parallel, so each rank would look up ids in its own slice only. Tensor parallelism cannot split "
-            f"this {type(model).__name__} exactly; run it with tensor_parallel.tp_size=1."
+            "vocab-parallel (only nn.Embedding modules are made so), so each rank would see its own slice only. "
+            f"Tensor parallelism cannot split this {type(model).__name__} exactly; run it with "
+            "tensor_parallel.tp_size=1."
         )
+    return tied
 
 
 def local_config(config: Any, overrides: dict[str, int]) -> Any:
