@@ -16,16 +16,21 @@ they are CUDA-graph safe; the shapes alone (``T``, ``S``, the table width) size 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ._arch import attention_tiles, decode_tiles, target_of
 from ._triton import tl, triton
 from .backend import interpreter_enabled
-from .decode_attention import _decode_merge_kernel, pick_num_splits
 from .paged_attention import _check_store_args, check_paged_args
 from .prefill_attention import _dot, _tanh
 
 __all__ = ["paged_attention_triton", "store_paged_kv_triton"]
+
+# The decode_attention *module* (the package's ``decode_attention`` attribute is the function of that name). Its split
+# picker and merge kernel are used through it, so the AOT check's stand-in for the target GPU's SM count applies here.
+_decode = importlib.import_module(".decode_attention", __package__)
 
 
 @triton.jit
@@ -299,6 +304,16 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & d_mask[None, :])
 
 
+def paged_prefill_tiles(block_d: int, dtype: torch.dtype, target: object) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the varlen kernel: the prefill table of ``_arch.py``, except
+    fp32 at 64 < D <= 128. There the per-column block-table gather (int64 row offsets per key) pushes the 32x32 FMA
+    tiles past the register cap: ptxas spilled 160 B on sm_90 and 32 B on sm_80 (16x32 still left an 8 B stack
+    frame on sm_90); 32x16 with 8 warps compiles to 80 registers and no stack on both."""
+    if dtype == torch.float32 and 64 < block_d <= 128:
+        return 32, 16, 8, 1
+    return attention_tiles(block_d, dtype, target)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -343,7 +358,7 @@ def paged_attention_triton(
     )  # fmt: skip
     if T == S:  # every sequence has exactly one new token (each has at least one)
         if num_splits is None:
-            num_splits = pick_num_splits(S, KVH, block_tables.shape[1] * BS, q.device)
+            num_splits = _decode.pick_num_splits(S, KVH, block_tables.shape[1] * BS, q.device)
         if interp:
             BLOCK_N, num_warps, num_stages = 16, 4, 1
         else:
@@ -361,7 +376,7 @@ def paged_attention_triton(
             num_warps=num_warps, num_stages=num_stages, **common,
         )  # fmt: skip
         if num_splits > 1:
-            _decode_merge_kernel[(T * H,)](
+            _decode._decode_merge_kernel[(T * H,)](
                 part_out, part_lse, out, D, num_splits,
                 BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D >= 128 else 2,
             )  # fmt: skip
@@ -369,7 +384,7 @@ def paged_attention_triton(
     if interp:
         BLOCK_M, BLOCK_N, num_warps, num_stages = 16, 16, 4, 1
     else:
-        BLOCK_M, BLOCK_N, num_warps, num_stages = attention_tiles(BLOCK_D, q.dtype, target_of(q))
+        BLOCK_M, BLOCK_N, num_warps, num_stages = paged_prefill_tiles(BLOCK_D, q.dtype, target_of(q))
     _paged_prefill_kernel[(T // BLOCK_M + S, H)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, out,
         S, H, D, G, BS, float(scale), window, cap,

@@ -49,7 +49,7 @@ ARCHS = {
 }
 CONSUMER_SMEM_BLOCK = 101376  # sm_86 / sm_89: what the portable tile tables must fit
 MODULES = ("norms", "activations", "rotary", "kv_cache", "prefill_attention", "decode_attention",
-           "encoder_attention", "moe_gemm", "quant_gemm")  # fmt: skip
+           "encoder_attention", "moe_gemm", "quant_gemm", "paged_attention_triton")  # fmt: skip
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 PACKAGE = "aot_kernels"  # the checkout's kernels/ imported under a private name (see kernel_package)
 
@@ -261,6 +261,10 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
                     lambda: qg.quant_matmul_triton(E(512, 4096, dtype=torch.float32),
                                                    E(8192, 2048, dtype=torch.uint8), E(8192, 32, dtype=torch.float32),
                                                    None, qf.QuantSpec(4, 128), 4096)))  # fmt: skip
+    if "paged_attention_triton" in mods:
+        from aot_paged import paged_scenarios  # this folder is on sys.path (script dir, or added by the test)
+
+        out += paged_scenarios(mods["paged_attention_triton"])
     return out
 
 
