@@ -104,7 +104,7 @@ def worker(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     rank = int(os.environ["RANK"])
-    cfg = {"dtype": "fp32", "replace_with_kernel_inject": False, "tensor_parallel": {"tp_size": WORLD}}
+    cfg = {"dtype": "fp32", "tensor_parallel": {"tp_size": WORLD}}  # replace_with_kernel_inject="auto": no policy
     out: dict = {}
     for name, path in job["paths"].items():
         try:
