@@ -199,3 +199,15 @@ def keep_in_fp32_modules(model: Any) -> tuple[str, ...]:
 def is_expert_parallel(experts: Any) -> bool:
     """Whether transformers' own expert parallelism already split this fused experts module."""
     return bool(getattr(experts, "_is_expert_parallel", False))
+
+
+def normalize_cache_kwargs(kwargs: dict[str, Any], where: str = "generate") -> dict[str, Any]:
+    """``kwargs`` with a cache given under either name moved to the installed release's name (so transformers' own
+    deprecation shim never fires from hf_dsinfer's calls); both names with different objects is an error."""
+    if "cache" not in kwargs and "past_key_values" not in kwargs:
+        return kwargs
+    out = dict(kwargs)
+    cache = pop_cache(out, where)
+    if cache is not None:
+        out[cache_kwarg()] = cache
+    return out

@@ -108,3 +108,16 @@ def test_the_scan_sees_private_names():
     tree = ast.parse("def f(model):\n    return model.config._attn_implementation, getattr(model, '_from_config')\n")
     found = _private_touches(ROOT / "hf_dsinfer" / "x.py", tree, private)
     assert len(found) == 2, found
+
+
+def test_deprecations_from_hf_dsinfer_frames_are_errors():
+    """pyproject's filter turns a FutureWarning attributed to an hf_dsinfer module into an error (and leaves one
+    attributed to user code alone), so a deprecated transformers call of ours fails the suite on the newest release."""
+    import warnings
+
+    import pytest
+
+    with pytest.raises(FutureWarning):
+        warnings.warn_explicit("deprecated", FutureWarning, "api.py", 1, module="hf_dsinfer.generation.api")
+    with pytest.warns(FutureWarning):
+        warnings.warn_explicit("deprecated", FutureWarning, "user.py", 1, module="user_script")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import hf_compat
 from .decode import DecodeGraphs, DecodeStep
 from .forward_graphs import install_forward_graphs
 from .loop import CURRENT_CALL, CallContext, FastLoopDeclined, check_capacity, decoding_loop, warn_fallback
@@ -160,6 +161,7 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> Any:
+    kwargs = hf_compat.normalize_cache_kwargs(kwargs)  # the cache under the installed release's keyword
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     _check_input_ids(self, ids, kwargs.get("attention_mask"))
     reason, gen_config = _route(self, state, args, kwargs)

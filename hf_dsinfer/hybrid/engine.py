@@ -468,7 +468,8 @@ class HybridEngine:
                 if gen_config is not None:  # an invalid config: transformers' generate raises its own error below
                     check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
             with state.lock or nullcontext():  # one static cache: concurrent calls take turns
-                return state.hf_generate(*args, **kwargs)  # transformers' generate, bound to the inference copy
+                # transformers' generate, bound to the inference copy (the cache under the installed keyword)
+                return state.hf_generate(*args, **hf_compat.normalize_cache_kwargs(kwargs))
         step = getattr(state, "step", None)
         compiled = getattr(step, "compiled", None)
         if compiled is None or not self._request_flag(kwargs, "disable_compile"):
