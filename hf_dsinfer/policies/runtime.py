@@ -179,7 +179,6 @@ class Runtime:
         cache.advance(width - start, width)
         return hidden, InjectedCache(self)
 
-
     def run_layers(self, model: nn.Module, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The fused layers, the final norm and the policy's last touch (``hidden [B, T, C]`` in and out).
 
@@ -193,6 +192,7 @@ class Runtime:
         elif residual is not None:
             hidden = hidden + residual
         return self.policy.finalize_hidden(model, hidden)
+
 
 class InjectedCache(Cache):
     """The transformers ``Cache`` an injected model returns: a handle on its static KV cache.
