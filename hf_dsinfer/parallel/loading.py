@@ -1,123 +1,57 @@
-"""Per-rank sharded loading: each rank reads only its slice of every tensor from the safetensors files.
+"""Per-rank sharded loading: each rank reads only its slice of every tensor from the checkpoint files.
 
 ``load_pretrained_tp`` builds the model on the meta device (no memory), plans tensor parallelism on it (shapes
-shrink), then materializes every parameter from ``safe_open(file).get_slice(name)[...]``. Each file is opened per
-tensor, so the pages a slice touched are unmapped right after it is read: peak host memory per rank stays near
-``1/tp`` of the weights plus the largest single tensor. Buffers that are not in the checkpoint (rotary ``inv_freq``)
-are recomputed by transformers' own ``initialize_weights``, which skips every loaded parameter.
+shrink), then materializes every parameter from its slice of the checkpoint (:class:`~.checkpoint_index.
+CheckpointIndex`: safetensors slices, or memory-mapped ``.bin`` / ``.pt`` files read one at a time). Peak host memory
+per rank stays near ``1/tp`` of the weights plus the largest single tensor (safetensors) or the largest file (pickled
+shards). Buffers that are not in the checkpoint (rotary ``inv_freq``) are recomputed by transformers' own
+``initialize_weights``, which skips every loaded parameter.
 
-Also here: DeepSpeed's checkpoint JSON (``{"type", "checkpoints", "version", "base_dir", "tp_size" |
-"parallelization"}``) and TP-split checkpoints (``save_mp_checkpoint``: per-rank shard files plus that JSON), which a
-later start loads without re-slicing.
+Also here: DeepSpeed's checkpoint JSON (``{"type", "checkpoints", "version", "base_dir", "tp_size" | "mp_size",
+"parallelization"}``), read as DeepSpeed reads it:
+
+* ``checkpoints`` a list (BLOOM-style ``"pp"``, the default): every file is a part of the whole model; each rank reads
+  its slices of every file.
+* ``parallelization: "tp"``, or ``checkpoints: {"tp": [...], "non_tp": [...]}``: files already split per rank for
+  ``tp_size`` ranks (DeepSpeed's order: partition ``m`` of rank ``r`` at ``tp[m * tp_size + r]``); each rank reads its
+  own files as they are, and the replicated tensors from ``non_tp`` (or from its own files).
+* ``type: "Megatron"``: one ``mp_rank_XX`` file per model-parallel rank. One file: the whole model, read per slice;
+  ``tp_size`` files: already split, rank ``r`` reads file ``r``.
+
+``save_mp_checkpoint`` writes a TP-split checkpoint (per-rank safetensors files plus that JSON) that a later start
+loads without re-slicing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from .. import hf_compat
 from .apply import apply_plan, finish, parameter_groups
 from .autotp import TPPlan, build_plan
+from .checkpoint_index import CheckpointIndex
 from .groups import TPGroup, barrier
-from .moe import is_per_expert_key, read_fused_experts
+from .moe import read_fused_experts
 from .shard import DEFAULT_GRAIN, Shard
 
 DESCRIPTION_KEYS = {
-    "type", "checkpoints", "version", "base_dir", "tp_size", "parallelization", "dtype", "tp_grain_size"
+    "type",
+    "checkpoints",
+    "version",
+    "base_dir",
+    "tp_size",
+    "mp_size",
+    "parallelization",
+    "dtype",
+    "tp_grain_size",
 }
 DESCRIPTION_FILE = "ds_inference_config.json"
-
-
-class SafetensorsIndex:
-    """tensor name -> file, over a set of safetensors files; reads whole tensors or :class:`Shard` slices."""
-
-    def __init__(self, files: Iterable[str]):
-        self.files = list(files)
-        self.where: dict[str, str] = {}
-        self.stored: dict[str, str] = {}  # model-side name -> name in the file, where transformers renames keys
-        for path in self.files:
-            if not path.endswith(".safetensors"):
-                raise ValueError(
-                    f"{path}: only .safetensors checkpoints can be read per slice; convert it (save_pretrained writes "
-                    "safetensors) or load with tp_size=1."
-                )
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    self.where[key] = path
-
-    @classmethod
-    def from_directory(cls, directory: str) -> SafetensorsIndex:
-        """The checkpoint in a model directory (``model.safetensors.index.json``, ``model.safetensors`` or any
-        ``*.safetensors``)."""
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-        if not files:
-            raise ValueError(
-                f"{directory} holds no .safetensors weights; tensor-parallel loading reads slices of safetensors files "
-                "(re-save the model with save_pretrained, or load with tp_size=1)."
-            )
-        return cls(os.path.join(directory, n) for n in files)
-
-    def rename_for(self, model: nn.Module) -> SafetensorsIndex:
-        """Apply transformers' checkpoint key renames for ``model`` (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``).
-
-        Renames that only change names are followed; a key matched by a converting transform (experts merged,
-        tensors fused at load) cannot be read per slice and raises, naming it.
-        """
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import WeightRenaming
-        except ImportError:  # a transformers without conversion mappings stores model names as they are
-            return self
-        transforms = get_model_conversion_mapping(model)
-        renames = [t for t in transforms if isinstance(t, WeightRenaming)]
-        others = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        for key in list(self.where):
-            for t in others:
-                if t.rename_source_key(key)[1] is not None and not is_per_expert_key(key):  # experts: parallel/moe.py
-                    raise ValueError(
-                        f"checkpoint tensor {key} is converted by transformers at load ({type(t).__name__}); such "
-                        "checkpoints cannot be read per slice. Load with tp_size=1, save_pretrained, then use TP."
-                    )
-            new = key
-            for t in renames:
-                new = t.rename_source_key(new)[0]
-            if new != key:
-                self.where[new] = self.where[key]
-                self.stored[new] = self.stored.get(key, key)
-        return self
-
-    def find(self, names: list[str], prefix: str = "") -> str | None:
-        """The first of ``names`` stored here (also tried with the base-model prefix added or removed)."""
-        for name in names:
-            candidates = [name]
-            if prefix:
-                candidates += [f"{prefix}.{name}", name[len(prefix) + 1:] if name.startswith(prefix + ".") else None]
-            for c in candidates:
-                if c is not None and c in self.where:
-                    return c
-        return None
-
-    def read(self, key: str, shard: Shard | None) -> torch.Tensor:
-        """The stored tensor ``key``, or only this rank's ``shard`` of it (a fresh tensor, the file is closed)."""
-        stored = self.stored.get(key, key)
-        with safe_open(self.where[key], framework="pt") as f:
-            if shard is None:
-                return f.get_tensor(stored).clone()  # a private copy, not a view of the file map
-            piece = f.get_slice(stored)
-            return shard.read(piece, piece.get_shape())
 
 
 def _build_meta(cls: type, config: Any, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
@@ -132,8 +66,8 @@ def materialize(
     model: nn.Module,
     plan: TPPlan,
     tp: TPGroup,
-    sharded: SafetensorsIndex,
-    replicated: SafetensorsIndex | None = None,
+    sharded: CheckpointIndex,
+    replicated: CheckpointIndex | None = None,
     presliced: bool = False,
     device: torch.device | None = None,
     on_loaded: Any = None,
@@ -163,12 +97,16 @@ def materialize(
         dtype = current.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=device, dtype=dtype)
 
-    apply_plan(model, plan, tp, load=load, on_loaded=on_loaded)
-    _materialize_buffers(model, replicated, prefix, device)
+    try:
+        apply_plan(model, plan, tp, load=load, on_loaded=on_loaded)
+        _materialize_buffers(model, replicated, prefix, device)
+    finally:  # unmap the pickled file still open
+        sharded.close()
+        replicated.close()
     return model
 
 
-def _materialize_buffers(model: nn.Module, index: SafetensorsIndex, prefix: str, device: torch.device) -> None:
+def _materialize_buffers(model: nn.Module, index: CheckpointIndex, prefix: str, device: torch.device) -> None:
     """Persistent buffers from the checkpoint; the rest recomputed by transformers' initialization."""
     pending = False
     for mod_name, module in model.named_modules():
@@ -229,42 +167,70 @@ def _files(desc: dict[str, Any], entries: list[str]) -> list[str]:
     return [e if os.path.isabs(e) else os.path.join(desc["base_dir"], e) for e in entries]
 
 
+def _checkpoint_layout(desc: dict[str, Any], tp: TPGroup) -> tuple[list[str] | None, list[str]]:
+    """How the description's files map to this rank: ``(None, files)`` when every file is a part of the whole model
+    (each rank reads its slices), ``(own, replicated)`` when the files are already split per rank (``own``: this
+    rank's files, ``replicated``: where its unsplit tensors are)."""
+    ckpts = desc["checkpoints"]
+    megatron = str(desc.get("type", "")).lower() == "megatron"
+    if not (desc.get("parallelization") == "tp" or isinstance(ckpts, dict) or megatron):
+        return None, _files(desc, list(ckpts))
+    split = _files(desc, list(ckpts["tp"] if isinstance(ckpts, dict) else ckpts))
+    saved = int(desc.get("mp_size", desc.get("tp_size", len(split))))
+    if megatron and len(split) == 1:
+        return None, split  # one mp_rank file: the whole model
+    if saved != tp.size or len(split) % saved:
+        what = f"{len(split)} mp_rank files" if megatron else f"tp_size={saved}"
+        raise ValueError(
+            f"the checkpoint was split for {what} but this run has tp_size={tp.size}; run with tp_size={saved} or "
+            "load the original (unsplit) checkpoint (resharding a split checkpoint is not implemented)."
+        )
+    own = split[tp.rank :: saved]  # DeepSpeed's order: partition m of rank r is entry m * tp_size + r
+    non_tp = _files(desc, list(ckpts.get("non_tp", []))) if isinstance(ckpts, dict) else []
+    return own, non_tp + own
+
+
 def load_from_description(
-    model: nn.Module, desc: dict[str, Any], tp: TPGroup, grain: int = DEFAULT_GRAIN,
-    injection_policy: dict[str, list[str]] | None = None, device: torch.device | None = None,
+    model: nn.Module,
+    desc: dict[str, Any],
+    tp: TPGroup,
+    grain: int = DEFAULT_GRAIN,
+    injection_policy: dict[str, list[str]] | None = None,
+    device: torch.device | None = None,
 ) -> nn.Module:
-    """Load a meta ``model`` from a checkpoint description: a TP-split one (``parallelization: "tp"``) reads this
-    rank's file as is; a plain list of files is read per slice."""
+    """Load a meta ``model`` from a checkpoint description (see the module docstring for the layouts): files already
+    split per rank are read as they are, files holding parts of the whole model are read per slice."""
     if tp.size > 1:
         plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy)
     else:
         plan = TPPlan(1, 0)
-    ckpts = desc["checkpoints"]
-    if desc.get("parallelization") == "tp" or isinstance(ckpts, dict):
-        saved = int(desc.get("tp_size", 1))
-        if saved != tp.size:
-            raise ValueError(
-                f"the checkpoint was split for tp_size={saved} but this run has tp_size={tp.size}; run with "
-                f"tp_size={saved} or load the original (unsplit) checkpoint."
-            )
+    own, files = _checkpoint_layout(desc, tp)
+    if own is not None:
         if int(desc.get("tp_grain_size", grain)) != grain:
             raise ValueError(
                 f"the checkpoint was split with tp_grain_size={desc['tp_grain_size']}, this run uses {grain}."
             )
-        tp_files = _files(desc, ckpts["tp"])
-        sharded = SafetensorsIndex([tp_files[tp.rank]])
-        replicated = SafetensorsIndex(_files(desc, ckpts.get("non_tp", [])))
+        sharded, replicated = CheckpointIndex(own), CheckpointIndex(files)
         materialize(model, plan, tp, sharded, replicated, presliced=True, device=device)
     else:
-        materialize(model, plan, tp, SafetensorsIndex(_files(desc, list(ckpts))).rename_for(model), device=device)
+        materialize(model, plan, tp, CheckpointIndex(files).rename_for(model), device=device)
     finish(model, tp)
     return model
 
 
 def load_pretrained_tp(
-    cls: type, path: str, config: Any, tp: TPGroup, dtype: torch.dtype, *, grain: int = DEFAULT_GRAIN,
-    injection_policy: dict[str, list[str]] | None = None, checkpoint: dict[str, Any] | None = None,
-    attn_implementation: str | None = None, device: torch.device | None = None, ep_size: int = 1,
+    cls: type,
+    path: str,
+    config: Any,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    *,
+    grain: int = DEFAULT_GRAIN,
+    injection_policy: dict[str, list[str]] | None = None,
+    checkpoint: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    device: torch.device | None = None,
+    ep_size: int = 1,
     on_loaded: Any = None,
 ) -> nn.Module:
     """``cls.from_pretrained(path)`` for tensor parallelism: meta model -> plan -> each rank reads its slices
@@ -277,7 +243,11 @@ def load_pretrained_tp(
     else:
         plan = build_plan(model, tp.size, tp.rank, grain=grain, injection_policy=injection_policy, ep_size=ep_size)
         materialize(
-            model, plan, tp, SafetensorsIndex.from_directory(path).rename_for(model), device=device,
+            model,
+            plan,
+            tp,
+            CheckpointIndex.from_directory(path).rename_for(model),
+            device=device,
             on_loaded=on_loaded(model) if on_loaded is not None else None,
         )
         finish(model, tp)
@@ -309,8 +279,13 @@ def save_mp_checkpoint(
         if hasattr(model, "config"):
             model.config.to_json_file(os.path.join(directory, "config.json"))
         desc = {
-            "type": "ds_model", "version": 1.0, "base_dir": os.path.abspath(directory), "parallelization": "tp",
-            "tp_size": tp.size, "tp_grain_size": grain, "dtype": dtype_name,
+            "type": "ds_model",
+            "version": 1.0,
+            "base_dir": os.path.abspath(directory),
+            "parallelization": "tp",
+            "tp_size": tp.size,
+            "tp_grain_size": grain,
+            "dtype": dtype_name,
             "checkpoints": {"non_tp": ["non_tp.safetensors"], "tp": tp_files},
         }
         with open(out, "w", encoding="utf-8") as f:
