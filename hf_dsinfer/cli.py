@@ -1,4 +1,4 @@
-"""``hf-dsinfer`` (also ``python -m hf_dsinfer``): ``info``, ``generate`` and ``bench``."""
+"""``hf-dsinfer`` (also ``python -m hf_dsinfer``): ``info``, ``generate``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -163,18 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--config", help="an inference config JSON file")
     p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
     p_gen.add_argument("--json", action="store_true", help="print texts and timings as one JSON object")
+    p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching on fused layers)")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
     argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # bench's options need torch (bench.py): `hf-dsinfer --help` stays free of it
         from .bench import add_bench_arguments
 
         add_bench_arguments(p_bench)
+    if "serve" in argv:  # like bench: the server module is imported only when serving
+        from .serving.server import add_serve_arguments
+
+        add_serve_arguments(p_serve)
     args = parser.parse_args(argv)
     if args.command == "info":
         report = info_report()
         print(json.dumps(report, indent=2)) if args.json else _print_info(report)
     elif args.command == "generate":
         _generate(args)
+    elif args.command == "serve":
+        from .serving.server import serve_main
+
+        serve_main(args)
     elif args.command == "bench":
         from .bench import bench_main, exit_code
 
