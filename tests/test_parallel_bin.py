@@ -333,6 +333,24 @@ def test_pickled_state_dict_with_quantized_pairs_is_refused(tmp_path):
         CheckpointIndex([path])
 
 
+def test_pickled_files_read_per_slice_including_the_pre_zip_format(tmp_path):
+    """A slice read from a memory-mapped (zip) file and from a torch < 1.6 file (read whole) is a private copy."""
+    from hf_dsinfer.parallel.checkpoint_index import CheckpointIndex
+    from hf_dsinfer.parallel.shard import Shard
+
+    w = torch.arange(24.0).view(6, 4)
+    paths = [str(tmp_path / "zip.pt"), str(tmp_path / "legacy.pt")]
+    torch.save({"module": {"w": w}, "global_steps": 3}, paths[0])
+    torch.save({"w2": w}, paths[1], _use_new_zipfile_serialization=False)
+    index = CheckpointIndex(paths)
+    assert index.where == {"w": paths[0], "w2": paths[1]}
+    rows = index.read("w", Shard(0, ((2, 4),), 6))
+    cols = index.read("w2", Shard(1, ((0, 1), (3, 4)), 4))
+    index.close()
+    assert torch.equal(rows, w[2:4]) and torch.equal(cols, w[:, [0, 3]])
+    assert rows.untyped_storage().nbytes() == rows.numel() * 4  # only the slice's bytes, not a view of the file
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     worker(sys.argv[2])
