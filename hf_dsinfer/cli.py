@@ -16,8 +16,44 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+#: Families without a policy, shown with the path they take (computed, not asserted: transformers may change them).
+OTHER_EXAMPLES = ("smollm3", "helium", "mamba", "xglm")
+#: The three paths a model can take (``hf-dsinfer info`` prints them; docs/models.md has the per-family table).
+PATHS = {
+    "fused": "hf_dsinfer's fused layers, static KV cache, fast generate loop (a kernel-injection policy)",
+    "generic": "any other decoder-only causal LM whose attention calls transformers' AttentionInterface: HF's "
+    "modules with hf_dsinfer's static-cache attention, fast loop and compiled CPU decode step (checked per model "
+    "at load)",
+    "hf": "everything else: HF's own modules and generate loop, config dtype applied, one warning",
+}
+
+
+def _path_label(model_type: str, policy_label: str) -> str:
+    """``fused layers (XPolicy)``, ``generic (...)`` or ``HF modules (...)`` for ``model_type``."""
+    from .policies.generic import inference_path
+
+    path = inference_path(model_type)
+    if path == "fused":
+        return policy_label
+    if path == "generic":
+        return "generic: HF modules + static-cache attention, fast loop"
+    return "HF modules, config dtype applied (one warning)"
+
+
+def transformers_status() -> dict:
+    """The installed transformers version and whether the test suite covers it."""
+    from .hf_compat import NEWEST_TESTED, OLDEST_TESTED, in_tested_range, transformers_version
+
+    return {
+        "version": transformers_version(),
+        "tested_range": [OLDEST_TESTED, NEWEST_TESTED],
+        "in_tested_range": in_tested_range(),
+    }
+
+
 def info_report() -> dict:
-    """Versions, device, kernel path and supported architectures, as a dict."""
+    """Versions (and whether transformers is in the tested range), device, kernel path, and the path each
+    architecture takes (fused / generic / HF modules), as a dict."""
     import torch
 
     from . import __version__
@@ -34,8 +70,11 @@ def info_report() -> dict:
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in ("torch", "transformers", "triton", "peft", "accelerate", "safetensors")},
         "device": device,
+        "transformers": transformers_status(),
         "kernels": describe(),
-        "architectures": architecture_paths(),
+        "architectures": {t: _path_label(t, label) for t, label in architecture_paths().items()},
+        "other_examples": {t: _path_label(t, "") for t in OTHER_EXAMPLES},
+        "paths": PATHS,
     }
 
 
@@ -43,16 +82,30 @@ def _print_info(report: dict) -> None:
     print(f"hf_dsinfer {report['hf_dsinfer']} (python {report['python']})")
     for name, version in report["versions"].items():
         print(f"  {name:<13} {version}")
+    tf = report["transformers"]
+    oldest, newest = tf["tested_range"]
+    if tf["in_tested_range"]:
+        print(f"transformers {tf['version']}: inside the tested range ({oldest} to {newest})")
+    else:
+        print(
+            f"transformers {tf['version']}: OUTSIDE the tested range ({oldest} to {newest}); it may work, but nothing "
+            f"here was tested on it: pip install 'transformers>={oldest},<={newest}' for a tested one"
+        )
     print(f"device: {report['device']}")
     k = report["kernels"]
     print(
         f"kernels: backend={k['backend']} path={k['kernel_path']} triton_installed={k['triton_installed']} "
         f"interpreter={k['interpreter']}"
     )
-    print("architectures (replace_with_kernel_inject=True):")
+    print("paths (replace_with_kernel_inject='auto', the default):")
+    for name, meaning in report["paths"].items():
+        print(f"  {name:<8} {meaning}")
+    print("architectures with a policy or in the fidelity table:")
     for model_type, path in report["architectures"].items():
-        print(f"  {model_type:<10} {path}")
-    print("any other architecture: HF modules with one warning")
+        print(f"  {model_type:<12} {path}")
+    print("other causal LMs: generic when their attention calls AttentionInterface, else HF modules; e.g.")
+    for model_type, path in report["other_examples"].items():
+        print(f"  {model_type:<12} {path}")
 
 
 def _parse_set(pairs: list[str]) -> dict:
@@ -69,12 +122,19 @@ def _parse_set(pairs: list[str]) -> dict:
 
 
 def generation_report(
-    texts: list[str], prompt_tokens: int, stats: object | None, wall_s: float, new_tokens: int
+    texts: list[str],
+    prompt_tokens: int,
+    stats: object | None,
+    wall_s: float,
+    new_tokens: int,
+    warmup_s: float | None = None,
 ) -> dict:
     """What ``hf-dsinfer generate`` prints: the texts and the call's speed (``new_tokens``: per prompt).
 
     ``stats`` is the ``GenerateStats`` hf_dsinfer's generate recorded (time to first token measured inside the loop);
     without it (a generate path that records none) only the wall-clock rate is known and TTFT is None.
+    ``warmup_s``: the wall time of the warm-up call made before it (which compiles the CPU decode step or captures
+    CUDA graphs on a model's first call), None when none was made: the figures then include that one-off cost.
     """
     batch = len(texts)
     if stats is not None:
@@ -98,17 +158,24 @@ def generation_report(
         "new_tokens": batch * new_tokens,
         **speed,
         "total_ms": round(wall_s * 1e3, 2),
+        "warmup_ms": None if warmup_s is None else round(warmup_s * 1e3, 2),
+        "includes_warmup": warmup_s is None,
     }
 
 
 def _print_generation(report: dict) -> None:
     for text in report["texts"]:
         print(text)
-    ttft = report["time_to_first_token_ms"]
+    ttft, decode = report["time_to_first_token_ms"], report["decode_tokens_per_s"]
+    if report["warmup_ms"] is not None:
+        warmup = f"warm-up call {report['warmup_ms']:.0f} ms (compiles / captures the decode step; not counted below)"
+    else:
+        warmup = "no warm-up call (--no-warmup): the figures include the first call's compile / capture"
+    print(f"-- {warmup}")
     print(
         f"-- prompt tokens: {report['prompt_tokens']}, new tokens: {report['new_tokens']} "
-        f"(batch {report['batch_size']}), time to first token: "
-        f"{'n/a' if ttft is None else f'{ttft:.1f} ms'}, {report['tokens_per_s']} tokens/s "
+        f"(batch {report['batch_size']}), time to first token: {'n/a' if ttft is None else f'{ttft:.1f} ms'}, "
+        f"decode {'n/a' if decode is None else decode} tokens/s, overall {report['tokens_per_s']} tokens/s "
         f"(total {report['total_ms']:.0f} ms, path {report['path']})"
     )
 
@@ -134,6 +201,11 @@ def _generate(args: argparse.Namespace) -> None:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, pad_token_id=tok.pad_token_id)
     if args.temperature > 0:
         gen.update(temperature=args.temperature, top_p=args.top_p)
+    warmup_s = None
+    if args.warmup:  # the first call compiles the CPU decode step (or captures CUDA graphs): timed apart
+        start = time.perf_counter()
+        model.generate(**enc, **{**gen, "max_new_tokens": min(2, args.max_new_tokens)})
+        warmup_s = time.perf_counter() - start
     before = last_generate_stats(model)
     start = time.perf_counter()
     out = model.generate(**enc, **gen)
@@ -142,7 +214,7 @@ def _generate(args: argparse.Namespace) -> None:
     new = out[:, enc["input_ids"].shape[1] :]
     texts = [f"{prompt}{tok.decode(row, skip_special_tokens=True)}" for prompt, row in zip(args.prompt, new)]
     report = generation_report(
-        texts, int(enc["attention_mask"].sum()), stats if stats is not before else None, wall_s, new.shape[1]
+        texts, int(enc["attention_mask"].sum()), stats if stats is not before else None, wall_s, new.shape[1], warmup_s
     )
     print(json.dumps(report, indent=2)) if args.json else _print_generation(report)
 
@@ -163,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--config", help="an inference config JSON file")
     p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
     p_gen.add_argument("--json", action="store_true", help="print texts and timings as one JSON object")
+    p_gen.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first make a short warm-up call (2 new tokens) and report its time apart, so that the decode "
+        "tokens/s do not include compiling the CPU decode step / capturing CUDA graphs (default: on)",
+    )
     p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching on fused layers)")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
     argv = sys.argv[1:] if argv is None else argv
