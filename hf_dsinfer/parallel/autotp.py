@@ -409,6 +409,10 @@ def _plan_codegen_attention(plan, model, row, feeders, heads, d, tp, rank) -> No
     _set_linear(plan, row, model.get_submodule(row), None, out)
     plan.local_heads[row] = (local, local)
     _attention_edits(plan, model, feeders + [row], local, local, heads, heads, d)
+    attention = row.rpartition(".")[0]
+    if getattr(model.get_submodule(attention), "embed_dim", None) == heads * d:
+        # transformers >= 5.24 cuts qkv_proj's output into chunks of embed_dim // mp_num: the local width here
+        plan.attrs.setdefault(attention, {})["embed_dim"] = local * d
 
 
 def _plan_mlp(plan, model, row, row_in, feeders, tp, rank, grain) -> None:
