@@ -6,7 +6,8 @@ evaluation generates answers with ``predict_with_generate=True``; ``HybridEngine
 calls to a fused inference copy refreshed once per evaluation from the current weights, and adds its timings
 (``hybrid/generate_ms``, ``hybrid/refresh_ms``, ``hybrid/tokens_per_s``, ...) to the Trainer's logs.
 
-Runs on CPU in well under a minute: python examples/finetune_generate_eval.py
+Runs on CPU: python examples/finetune_generate_eval.py (37 s measured with ``time`` on 2026-11-25 on the project's
+2-core machine while other jobs held its load average at ~13; a quiet machine takes less).
 """
 
 from __future__ import annotations
