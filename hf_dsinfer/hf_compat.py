@@ -211,3 +211,10 @@ def normalize_cache_kwargs(kwargs: dict[str, Any], where: str = "generate") -> d
     if cache is not None:
         out[cache_kwarg()] = cache
     return out
+
+
+def keys_recomputed_at_init(model: Any) -> tuple[str, ...]:
+    """Regular expressions (matched with ``re.search``) of the parameter names that ``model``'s checkpoints leave out
+    because its weight initialization computes them (``PreTrainedModel._keys_to_ignore_on_load_missing``: e.g.
+    Marian's sinusoidal position tables). Sliced loading builds them through transformers' initialization too."""
+    return tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())

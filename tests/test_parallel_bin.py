@@ -122,6 +122,31 @@ def write_unsafe(src: str, dst: str) -> str:
     )
 
 
+def save_marian(directory: str) -> str:
+    """A tiny Marian (its checkpoint leaves out the sinusoidal position tables: the model's init computes them)."""
+    import transformers
+
+    config = transformers.MarianConfig(
+        vocab_size=500, d_model=96, encoder_layers=1, decoder_layers=1, encoder_attention_heads=6,
+        decoder_attention_heads=6, encoder_ffn_dim=136, decoder_ffn_dim=136, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config)
+    with torch.no_grad():
+        model.final_logits_bias.normal_()  # not zero, so a wrongly gathered bias shows
+    model.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def marian_logits(model) -> torch.Tensor:
+    ids = torch.tensor([[5, 6, 7, 8, 9, 2], [0, 0, 11, 12, 13, 2]])
+    return model(
+        input_ids=ids, attention_mask=(ids != 0).long(), decoder_input_ids=torch.tensor([[0, 9, 10]] * 2)
+    ).logits
+
+
 def _write_json(directory: str, name: str, desc: dict) -> str:
     path = os.path.join(directory, name)
     with open(path, "w") as f:
@@ -208,6 +233,11 @@ def worker(job_path: str) -> None:
     if job.get("big") and os.path.exists("/proc/self/clear_refs"):
         out["memory"] = _measure(job["big"])
     _run(out, "hf_bin_single", lambda: load(job["hf_bin_single"], inference_config=TP2))
+    try:  # an encoder-decoder from one pytorch_model.bin whose position tables are computed, not loaded
+        marian = transformers.MarianMTModel.from_pretrained(job["marian_bin"], inference_config=TP2)
+        out["marian"] = {"logits": marian_logits(marian), "local": sum(p.numel() for p in marian.parameters())}
+    except Exception:  # noqa: BLE001 - reported by the test
+        out["marian"] = {"error": traceback.format_exc()}
     for name in ("ds_parts", "megatron_single"):
         _run(out, name, lambda d=job[name]: load(job["config_dir"], inference_config={**TP2, "checkpoint": d}))
     # per-rank files written by the ranks from their own slices, then loaded back without re-slicing
@@ -238,7 +268,9 @@ def layouts(tmp_path_factory):
         "unsafe": write_unsafe(src, str(base / "unsafe")),
         "big": write_hf_bin(big_src, str(base / "big_bin"), max_bytes=BIG_SHARD_BYTES),
         "rank_dir": str(base / "ranks"),
+        "marian_st": save_marian(str(base / "marian_st")),
     }
+    paths["marian_bin"] = write_hf_bin(paths["marian_st"], str(base / "marian_bin"), max_bytes=None)
     os.makedirs(paths["rank_dir"])
     return paths
 
@@ -292,6 +324,32 @@ def test_peak_memory_within_one_shard_file_plus_the_rank_slices(run, layouts, ca
                   f"{grown / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")  # fmt: skip
         assert m["local_bytes"] < 0.6 * total
         assert grown <= bound, f"rank {rank}: peak RSS grew {grown / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
+
+
+def test_tp2_marian_from_bin_computes_its_position_tables_like_hf(run, layouts):
+    """Parameters the checkpoint leaves out because the model's init computes them (Marian's sinusoidal position
+    tables, ``_keys_to_ignore_on_load_missing``) are computed by transformers' init after the sliced load."""
+    import transformers
+
+    ref = transformers.MarianMTModel.from_pretrained(layouts["marian_st"], dtype=torch.float32).eval()
+    want = marian_logits(ref)
+    total = sum(p.numel() for p in ref.parameters())
+    for rank, res in enumerate(run):
+        got = res["marian"]
+        assert "error" not in got, got.get("error")
+        torch.testing.assert_close(got["logits"], want, **MODEL_LOGITS_TOL[torch.float32])
+        assert got["local"] < 0.8 * total, f"rank {rank} holds {got['local']} of {total} parameters"
+
+
+def test_tp1_description_computes_what_the_checkpoint_leaves_out(layouts):
+    import transformers
+
+    desc = _write_json(layouts["marian_st"], "ds.json", {"type": "ds_model", "checkpoints": ["model.safetensors"]})
+    ref = transformers.MarianMTModel.from_pretrained(layouts["marian_st"], dtype=torch.float32).eval()
+    cfg = {"dtype": "fp32", "replace_with_kernel_inject": False, "checkpoint": desc}
+    got = transformers.MarianMTModel.from_pretrained(layouts["marian_st"], inference_config=cfg)
+    assert torch.equal(got.model.decoder.embed_positions.weight, ref.model.decoder.embed_positions.weight)
+    torch.testing.assert_close(marian_logits(got), marian_logits(ref), **MODEL_LOGITS_TOL[torch.float32])
 
 
 def test_unsafe_pickle_refused_with_the_fix(layouts):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -80,6 +81,8 @@ def materialize(
     device = device or torch.device("cpu")
     prefix = getattr(model, "base_model_prefix", "")
     replicated = replicated or sharded
+    computed = hf_compat.keys_recomputed_at_init(model)  # left out of checkpoints, e.g. Marian's position tables
+    to_compute: list[str] = []
 
     def load(names: list[str], shard: Shard | None, current: torch.Tensor) -> torch.Tensor:
         source = replicated if (presliced and shard is None) else sharded
@@ -88,6 +91,9 @@ def materialize(
             experts = read_fused_experts(source, lambda n: source.find([n], prefix), names[0], shard, current.shape)
             if experts is not None:
                 return experts.to(device=device, dtype=current.dtype)
+        if key is None and shard is None and any(re.search(p, n) for p in computed for n in names):
+            to_compute.append(names[0])
+            return torch.empty(current.shape, dtype=current.dtype, device=device)  # filled by the model's init below
         if key is None:
             raise ValueError(f"the checkpoint has no tensor for {names[0]} (also looked for {names[1:]}).")
         tensor = source.read(key, None if presliced else shard)
@@ -99,16 +105,33 @@ def materialize(
 
     try:
         apply_plan(model, plan, tp, load=load, on_loaded=on_loaded)
-        _materialize_buffers(model, replicated, prefix, device)
+        for name in to_compute:
+            _leave_to_init(model, name)
+        _materialize_buffers(model, replicated, prefix, device, init=bool(to_compute))
     finally:  # unmap the pickled file still open
         sharded.close()
         replicated.close()
     return model
 
 
-def _materialize_buffers(model: nn.Module, index: CheckpointIndex, prefix: str, device: torch.device) -> None:
-    """Persistent buffers from the checkpoint; the rest recomputed by transformers' initialization."""
-    pending = False
+def _leave_to_init(model: nn.Module, name: str) -> None:
+    """Give parameter ``name`` (and every module sharing it) a fresh Parameter that transformers' initialization does
+    not skip (apply_plan marks what it places as initialized)."""
+    owner, _, pname = name.rpartition(".")
+    old = model.get_submodule(owner)._parameters[pname]
+    new = nn.Parameter(old.data, requires_grad=False)
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is old:
+                module._parameters[key] = new
+
+
+def _materialize_buffers(
+    model: nn.Module, index: CheckpointIndex, prefix: str, device: torch.device, init: bool = False
+) -> None:
+    """Persistent buffers from the checkpoint; the rest (and parameters left to it, ``init``) computed by
+    transformers' initialization, which skips every loaded tensor."""
+    pending = init
     for mod_name, module in model.named_modules():
         persistent = set(module._buffers) - getattr(module, "_non_persistent_buffers_set", set())
         for bname, buf in list(module._buffers.items()):
