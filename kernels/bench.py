@@ -161,21 +161,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("hf_dsinfer.kernels.bench needs a CUDA device; none found, nothing to measure.")
-        return 0
+        print("hf_dsinfer.kernels.bench needs a CUDA device; none found, nothing measured.", file=sys.stderr)
+        return 1  # a benchmark that measured nothing must not pass
     dtype = DTYPES[args.dtype]
     dev = torch.device("cuda")
     copy_gbs = measure_copy_gbs(dev)
-    rows = run_benchmarks(dtype, copy_gbs, tuple(args.tokens))
-    rows += run_attention_benchmarks(copy_gbs, dtype=dtype)
-    rows += run_quant_benchmarks(dtype, copy_gbs)
+    groups = {
+        "norms / rotary / activations": lambda: run_benchmarks(dtype, copy_gbs, tuple(args.tokens)),
+        "attention": lambda: run_attention_benchmarks(copy_gbs, dtype=dtype),
+        "quant_gemm": lambda: run_quant_benchmarks(dtype, copy_gbs),
+    }
+    rows, failed = [], {}
+    for group, run in groups.items():  # a group that raises is reported; the others still run
+        try:
+            rows += run()
+        except Exception as e:  # noqa: BLE001
+            failed[group] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     name = torch.cuda.get_device_name(dev)
     print(format_table(rows, copy_gbs, name))
+    for group, error in failed.items():
+        print(f"**FAILED:** {group}: {error}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "dtype": args.dtype, "copy_gbs": copy_gbs, "rows": rows}, f, indent=2)
+            report = {"device": name, "dtype": args.dtype, "copy_gbs": copy_gbs, "rows": rows, "failed": failed}
+            json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

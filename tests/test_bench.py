@@ -275,3 +275,28 @@ def test_token_disagreement_is_reported():
     mark_token_agreement(rows)
     assert [r["tokens_match"] for r in rows] == [True, True, False, None]
     assert rows[2]["note"] == "greedy tokens differ from HF eager" and all("_tokens" not in r for r in rows)
+
+
+def test_kernel_bench_reports_a_failing_group_and_exits_1(monkeypatch, capsys, tmp_path):
+    """kernels/bench.py (GPU only): a kernel group that raises is printed as FAILED, the others still run, exit 1."""
+    from hf_dsinfer.kernels import bench as kbench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kbench.main([]) == 1  # no CUDA: nothing measured is not a pass
+    assert "needs a CUDA device" in capsys.readouterr().err
+    row = dict(kernel="rms_norm", shape="[1, 4096]", dtype="bfloat16", triton_ms=0.01, ref_ms=0.02)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX compile failed\nmore")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "fake GPU")
+    monkeypatch.setattr(kbench, "measure_copy_gbs", lambda dev: 100.0)
+    monkeypatch.setattr(kbench, "run_benchmarks", lambda *a, **k: [row])
+    monkeypatch.setattr(kbench, "run_attention_benchmarks", broken)
+    monkeypatch.setattr(kbench, "run_quant_benchmarks", lambda *a, **k: [])
+    out_json = tmp_path / "k.json"
+    assert kbench.main(["--json", str(out_json)]) == 1
+    out = capsys.readouterr().out
+    assert "| rms_norm |" in out and "**FAILED:** attention: RuntimeError: PTX compile failed" in out
+    assert json.loads(out_json.read_text())["failed"] == {"attention": "RuntimeError: PTX compile failed"}
