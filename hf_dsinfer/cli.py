@@ -221,7 +221,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-dsinfer`` command."""
-    parser = argparse.ArgumentParser(prog="hf-dsinfer", description="DeepSpeed-Inference-class speed for HF models")
+    parser = argparse.ArgumentParser(
+        prog="hf-dsinfer", description="fused-kernel inference for HF models with DeepSpeed-Inference's API"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, device, kernel path, supported architectures")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
