@@ -227,3 +227,41 @@ def test_refusals_name_the_setting(pair):
         engine.submit([3, 4], transformers.GenerationConfig(num_beams=2, max_new_tokens=3))
     with pytest.raises(ValueError, match="max_batch_tokens"):
         ServingEngine(opt, max_batch_tokens=0)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_recovers(pair, monkeypatch):
+    ref, opt = pair("llama")
+    batch = prompts((5, 9), seed=11)
+    engine = ServingEngine(opt, block_size=4)
+    handles = [engine.submit(p, greedy()) for p in batch]
+    engine.step()  # both requests hold blocks now
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda plan: (_ for _ in ()).throw(MemoryError("device full")))
+    with pytest.raises(MemoryError, match="device full"):
+        engine.run_until_idle()
+    assert all(h.finish_reason == "error" and "device full" in h.error for h in handles)
+    with pytest.raises(RuntimeError, match="device full"):
+        handles[0].result()
+    engine.runner.blocks.check()
+    assert engine.runner.blocks.num_available == engine.runner.blocks.num_blocks, "the failed requests' blocks are back"
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    again = engine.submit(batch[1], greedy())
+    engine.run_until_idle()
+    assert again.tokens == hf_alone(ref, batch[1], greedy())
+
+
+def test_a_raising_client_callback_does_not_stop_the_engine(pair):
+    ref, opt = pair("llama")
+    batch = prompts((5, 9), seed=12)
+    engine = ServingEngine(opt, block_size=4).start()
+    try:
+
+        def broken(handle, new_tokens, finished):
+            raise RuntimeError("client bug")
+
+        bad = engine.submit(batch[0], greedy(), on_update=broken)
+        good = engine.submit(batch[1], greedy())
+        assert good.result(timeout=60) == hf_alone(ref, batch[1], greedy())
+        assert bad.result(timeout=60) == hf_alone(ref, batch[0], greedy())
+    finally:
+        engine.stop()

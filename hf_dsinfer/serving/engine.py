@@ -140,8 +140,15 @@ class RequestHandle:
             self.timestamps.extend([now] * len(new_tokens))
         self.tokens.extend(new_tokens)
         self._stream.put(new_tokens)
+        self._notify(new_tokens, False)
+
+    def _notify(self, new_tokens: list[int], finished: bool) -> None:
+        # A failing client callback must not take the stepping thread (and every other request) down with it.
         if self._on_update is not None:
-            self._on_update(self, new_tokens, False)
+            try:
+                self._on_update(self, new_tokens, finished)
+            except Exception:  # noqa: BLE001
+                logger.exception("hf_dsinfer serving: on_update of request %s raised; ignored", self.request_id)
 
     def _finish(self, reason: str, error: str | None = None) -> None:
         if self.done:
@@ -150,8 +157,7 @@ class RequestHandle:
         self.finished_time = time.perf_counter()
         self._done.set()
         self._stream.put(_END)
-        if self._on_update is not None:
-            self._on_update(self, [], True)
+        self._notify([], True)
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, tokens={len(self.tokens)}, finish_reason={self.finish_reason!r})"
@@ -293,11 +299,25 @@ class ServingEngine:
                 s.copy_on_write_blocks += plan.copies
 
     def run_until_idle(self) -> None:
-        """Step until every submitted request has finished (synchronous use; not while :meth:`start` runs)."""
+        """Step until every submitted request has finished (synchronous use; not while :meth:`start` runs).
+
+        If a step raises, every unfinished request ends with "error" (its blocks freed) and the error propagates.
+        """
         if self.is_running:
             raise RuntimeError("run_until_idle() steps the engine itself: call it without start(), or wait on handles")
-        while self.step():
-            pass
+        try:
+            while self.step():
+                pass
+        except BaseException as e:
+            self._fail_everything(repr(e))
+            raise
+
+    def _fail_everything(self, error: str) -> None:
+        with self._lock:
+            incoming, self._incoming, self._cancelled = self._incoming, [], []
+        for seq in incoming:
+            seq.handle._finish("error", error)
+        self.scheduler.fail_all(error)
 
     # -- the background thread -------------------------------------------------------------------------------------
 
@@ -344,11 +364,7 @@ class ServingEngine:
         except BaseException as e:  # noqa: BLE001 - fail every request with the error rather than hang their readers
             self._fatal = e
             logger.error("hf_dsinfer serving: the stepping thread failed: %r; failing all requests", e)
-            with self._lock:
-                incoming, self._incoming = self._incoming, []
-            for seq in incoming:
-                seq.handle._finish("error", repr(e))
-            self.scheduler.fail_all(repr(e))
+            self._fail_everything(repr(e))
 
     def clear_prefix_cache(self) -> None:
         """Forget the KV blocks kept for prefix sharing by finished requests (call it after changing the weights:
