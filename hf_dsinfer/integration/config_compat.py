@@ -9,8 +9,10 @@ after changing the import:
 * a field whose value would change results if ignored is refused, naming the field and what to do instead
   (``REFUSED_UNLESS_DEFAULT``).
 
-docs/migration.md lists every DeepSpeed field with its treatment; tests/test_config_deepspeed_fields.py checks that
-every field of DeepSpeed's class (written into the test as data) is handled.
+Also here: ``normalize_injection_policy`` (DeepSpeed's ``{LayerClass: (names...)}`` as JSON) and :class:`DtypeName`
+(``dtype`` as DeepSpeed users compare it). docs/migration.md lists every DeepSpeed field with its treatment;
+tests/test_config_deepspeed_fields.py checks that every field of DeepSpeed's class (written into the test as data) is
+handled.
 """
 
 from __future__ import annotations
