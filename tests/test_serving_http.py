@@ -1,8 +1,10 @@
 """``hf-dsinfer serve``'s HTTP layer end to end: SmolLM2-135M-Instruct behind the OpenAI-compatible server on
 127.0.0.1, driven by the ``openai`` client. Every answer is checked against ``generate`` of that request alone."""
 
+import argparse
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -179,3 +181,33 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     # Still serving, with the same answers.
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
     assert r.choices[0].message.content == _text(tok, refs["chat", 0])
+
+
+def test_client_disconnect_cancels_its_engine_request(served):
+    """A stream closed after two chunks frees the engine: its request stops long before its answer would end."""
+    base, _, _, engine = served
+    engine.reset_stats()
+    client = openai.OpenAI(base_url=base, api_key="unused", timeout=300, max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 1:
+            break
+    stream.close()
+    deadline = time.monotonic() + 120
+    while engine.has_work and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not engine.has_work
+    # Left alone, this request runs 164 tokens (greedy, then EOS; measured with generate): it stopped far earlier.
+    assert engine.stats.generated_tokens < 64
+
+
+def test_serve_command_line():
+    from hf_dsinfer import cli
+    from hf_dsinfer.serving.server import serve_main
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+    args = argparse.Namespace(inference_config='{"dtype": ', model="unused")
+    with pytest.raises(SystemExit, match="--inference-config is not valid JSON"):
+        serve_main(args)
