@@ -161,3 +161,19 @@ def test_hybrid_engine_generate_batch_after_weight_update():
     assert [o.generated_tokens for o in after.values()] == want, "the refreshed weights generate"
     assert want != [o.generated_tokens for o in before.values()], "the update changes the completions"
     assert last_batch_stats(he.module).requests_finished == 4, "the paged engine served it (not padded batches)"
+
+
+def test_grpo_shaped_rollouts_prefill_each_prompt_once():
+    """TRL's GRPO sends every prompt ``num_generations`` times in a row (sampling): each prompt is computed once,
+    its copies compute only their last prompt token."""
+    model = build_tiny("llama", seed=0)
+    he = HybridEngine(model, inference_config={"max_out_tokens": 64})
+    unique = prompts((11, 6, 14, 9), seed=8)
+    batch = [p for p in unique for _ in range(4)]  # 4 prompts x 4 generations
+    cfg = config(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=-1)
+    results = he.generate_batch(batch, generation_config=cfg)
+    assert list(results) == [f"req_{i}" for i in range(16)]
+    assert all(len(o.generated_tokens) == 8 for o in results.values())
+    stats = last_batch_stats(he.module)
+    assert stats.prompt_tokens == 4 * sum(map(len, unique))
+    assert stats.prefill_tokens_computed == sum(map(len, unique)) + 4 * 3  # ~4x fewer than requested

@@ -156,7 +156,7 @@ class Scheduler:
         """The first waiting request that may start now, or None (FIFO: a request that lacks blocks stops the line;
         one waiting for another's prefill of its prefix lets the next one pass)."""
         for seq in self.waiting:
-            keys = prefix_keys(seq.tokens, self.blocks.block_size) if self.prefix_sharing else []
+            keys = self._keys(seq)
             shared = self.blocks.lookup(keys)
             if len(shared) < len(keys) and keys[len(shared)] in self.pending:
                 continue  # another running request is computing this block: wait for it, then share it
@@ -166,11 +166,21 @@ class Scheduler:
             return seq
         return None
 
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        """Block keys of all of ``seq``'s tokens, computed once per token count (a waiting request is looked at
+        every step)."""
+        if not self.prefix_sharing:
+            seq.cacheable_len = len(seq.tokens)
+            return []
+        if seq.cacheable_len != len(seq.tokens) or not seq.block_keys:
+            seq.block_keys = prefix_keys(seq.tokens, self.blocks.block_size)
+            seq.cacheable_len = len(seq.tokens)
+        return seq.block_keys
+
     def _admit(self, seq: Sequence, plan: StepPlan) -> None:
         """Take the request's shared prefix blocks and record the blocks it will compute as pending."""
         bs = self.blocks.block_size
-        seq.cacheable_len = len(seq.tokens)
-        seq.block_keys = prefix_keys(seq.tokens, bs) if self.prefix_sharing else []
+        seq.block_keys = self._keys(seq)
         shared = self.blocks.lookup(seq.block_keys)
         for block in shared:
             self.blocks.share(block)
