@@ -47,11 +47,14 @@ ROWS = {
     "t5_untied": ("t5", dict(_T5, d_kv=24, tie_word_embeddings=False), _T5_EMB),  # head width d_kv != d_model / heads
     "marian": ("marian", _SEQ2SEQ, _BART_EMB),
     "bart": ("bart", _SEQ2SEQ, _BART_EMB),  # scaled word embeddings
+    "t5_ds_policy": ("t5", _T5, _T5_EMB),  # DeepSpeed's T5 injection_policy instead of the traced plan
 }
 # Rows split in place by init_inference on a built model (the others load each rank's slices with from_pretrained).
 # Marian only so: its sinusoidal position table is not in the checkpoint (transformers recomputes it at init), which
 # the per-rank sliced loader does not do yet (parallel/loading.py).
-IN_PLACE = {"marian"}
+IN_PLACE = {"marian", "t5_ds_policy"}
+# DeepSpeed's AutoTP tests name T5's output projections this way (the block class and its row-parallel linears).
+POLICIES = {"t5_ds_policy": {"T5Block": ["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]}}
 
 
 def save_row(name: str, directory) -> str:
@@ -110,7 +113,8 @@ def worker(job_path: str) -> None:
         try:
             if name in IN_PLACE:
                 full = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32)
-                model = hf_dsinfer.init_inference(full, config=cfg).module
+                policy = {"injection_policy": POLICIES[name]} if name in POLICIES else {}
+                model = hf_dsinfer.init_inference(full, config={**cfg, **policy}).module
             else:
                 model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, inference_config=cfg)
             got = _run(model)
