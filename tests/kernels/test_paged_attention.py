@@ -190,3 +190,41 @@ def test_paged_decode_cuda_graph_replay():
     lens.copy_(torch.tensor([700, 17], device=dev))
     graph.replay()
     assert_close(out, paged_attention_reference(q, kc, vc, bt, cu, lens, 0.088), ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: sliding window 8 and softcap 50 in the kernels
+def test_serving_engine_on_triton_kernels_equals_hf_alone(name, tmp_path, monkeypatch):
+    """Continuous batching with every kernel on Triton (the interpreter on CPU): chunked prefill, a request joining
+    mid-prefill, then decode steps; greedy tokens equal HF eager ``generate`` of each request alone (fp32)."""
+    import transformers
+    from hf_dsinfer.kernels import paged_attention_triton as launchers
+    from tiny_models import PAD, prompts, save_tiny
+
+    from hf_dsinfer.serving import ServingEngine
+
+    path = save_tiny(name, tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens": 64}
+    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=config).eval()
+    greedy = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=-1)
+    calls = {"decode": 0, "varlen": 0}
+    launch = launchers.paged_attention_triton
+
+    def counting(q, k_cache, v_cache, block_tables, *args, **kwargs):
+        calls["decode" if q.shape[0] == block_tables.shape[0] else "varlen"] += 1
+        return launch(q, k_cache, v_cache, block_tables, *args, **kwargs)
+
+    monkeypatch.setattr(launchers, "paged_attention_triton", counting)
+    monkeypatch.setenv("HF_DSINFER_BACKEND", "triton")
+    batch = prompts((5, 21, 3))
+    engine = ServingEngine(opt, block_size=4, max_batch_tokens=8, num_blocks=64)  # the 21-token prompt: 3 chunks
+    handles = [engine.submit(p, greedy) for p in batch[:2]]
+    engine.step()
+    handles.append(engine.submit(batch[2], greedy))
+    engine.run_until_idle()
+    monkeypatch.setenv("HF_DSINFER_BACKEND", "torch")
+    for prompt, handle in zip(batch, handles):
+        ids = torch.tensor([prompt])
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)[0, len(prompt) :]
+        assert handle.tokens == want.tolist(), f"{name}: request {handle.request_id}"
+    assert calls["decode"] > 0 and calls["varlen"] > 0, calls
