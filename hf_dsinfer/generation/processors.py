@@ -64,31 +64,34 @@ def resolve_generation_config(model: Any, kwargs: dict[str, Any]) -> GenerationC
     return config
 
 
-# GenerationConfig fields that select a decoding mode or a logits processor the fast loop does not reproduce. Checked
-# before generation; a value other than GenerationConfig()'s default sends the request to transformers' loop.
-_BLOCKING_FIELDS = (
-    "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha", "prompt_lookup_num_tokens",
-    "assistant_early_exit", "dola_layers", "low_memory", "constraints", "force_words_ids", "guidance_scale",
-    "sequence_bias", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids",
-    "watermarking_config", "epsilon_cutoff", "eta_cutoff", "typical_p", "top_h", "renormalize_logits",
-    "token_healing", "output_attentions", "output_hidden_states",
+# GenerationConfig fields that select a decoding mode or a logits processor the fast loop does not reproduce, with
+# their neutral values (transformers' defaults differ between releases: 5.17's GenerationConfig() leaves most None).
+# Checked before generation; any other value sends the request to transformers' loop.
+_NEUTRAL_ONE = ("num_beams", "num_beam_groups", "guidance_scale", "encoder_repetition_penalty", "typical_p", "top_h")
+_NEUTRAL_ZERO = ("diversity_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "epsilon_cutoff",
+                 "eta_cutoff")  # fmt: skip
+_NEUTRAL_UNSET = (
+    "penalty_alpha", "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "low_memory", "constraints",
+    "force_words_ids", "sequence_bias", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "forced_decoder_ids", "watermarking_config", "renormalize_logits", "token_healing", "output_attentions",
+    "output_hidden_states",
 )  # fmt: skip
-_DEFAULTS = GenerationConfig()
 
 
 def fast_loop_blocker(config: GenerationConfig) -> str | None:
     """Why the fast loop cannot run a request with ``config`` (None: it can), from its public fields."""
-    for name in _BLOCKING_FIELDS:
-        value = getattr(config, name, None)
-        if value is None or value is False or value == getattr(_DEFAULTS, name, None):
-            continue
-        if name == "num_beams":
-            return "beam search"
-        if name in ("penalty_alpha", "prompt_lookup_num_tokens"):
-            return "contrastive search / prompt lookup"
-        return f"generation_config.{name}={value!r}"
+    for names, neutral in ((_NEUTRAL_ONE, (None, 1, 1.0)), (_NEUTRAL_ZERO, (None, 0, 0.0)),
+                           (_NEUTRAL_UNSET, (None, False, 0, (), []))):  # fmt: skip
+        for name in names:
+            value = getattr(config, name, None)
+            if any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+                continue
+            if name == "num_beams":
+                return "beam search"
+            if name in ("penalty_alpha", "prompt_lookup_num_tokens"):
+                return "contrastive search / prompt lookup"
+            return f"generation_config.{name}={value!r}"
     return None
 
 

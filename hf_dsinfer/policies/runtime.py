@@ -272,6 +272,17 @@ class InjectedCache(Cache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.runtime.cache.max_tokens
 
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.runtime.cache.max_tokens  # transformers 5.17-5.23
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.runtime.cache.max_tokens  # transformers 5.17-5.23
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.runtime.cache.max_batch_size  # transformers 5.17-5.23
+
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
