@@ -74,7 +74,8 @@ def test_quantizer_hook_names():
     missing = sorted(n for n in ours if not hasattr(HfQuantizer, n))
     _contract("HfQuantizer hook names", not missing, f"HfQuantizer has no {missing}")
     for name in ("_process_model_before_weight_loading", "_process_model_after_weight_loading"):
-        _contract(f"HfQuantizer.{name} is called by preprocess/postprocess_model", name in inspect.getsource(HfQuantizer))
+        called = name in inspect.getsource(HfQuantizer)
+        _contract(f"HfQuantizer.{name} is called by preprocess/postprocess_model", called)
 
 
 def test_conversion_ops_convert_signature():
@@ -131,9 +132,8 @@ def test_trainer_callback_events_used():
 def test_generate_batch_output_types(llama):
     """generate_batch returns {request_id: GenerationOutput} with prompt_ids, generated_tokens and a finished status
     (what hf_dsinfer's continuous batching returns in its place)."""
-    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
-
     from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
     cfg = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
     # A small paged cache: left to itself, transformers sizes it from the free memory of the machine (GBs on a CPU).
