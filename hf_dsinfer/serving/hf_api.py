@@ -28,12 +28,14 @@ import torch
 from torch import nn
 
 from ..log import logger
+from ..policies.injection import get_injection
 from .engine import RequestHandle, ServingEngine, ServingStats
 from .padded import padded_generate_batch
 from .runner import unsupported_reason
 
 ENGINE_ATTR = "_dsinfer_batch_engine"  # the engine generate_batch keeps on the model between calls
 STATS_ATTR = "_dsinfer_batch_stats"
+MAX_GROWTH = 8  # generate_batch's cache grows to at most this many times the static cache's memory
 _DEFAULT_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig default (ignored: see the module docstring)
 _warned: set[str] = set()
 
@@ -106,14 +108,29 @@ def _failed(request_id: str, prompt: list[int], error: Exception) -> Any:
     )
 
 
-def batch_engine(model: nn.Module, cb_config: Any = None) -> ServingEngine:
-    """The engine ``generate_batch`` uses on ``model``: kept between calls while the settings stay the same."""
+def batch_engine(model: nn.Module, cb_config: Any = None, want_tokens: int = 0) -> ServingEngine:
+    """The engine ``generate_batch`` uses on ``model``, kept between calls while the settings stay the same.
+
+    ``want_tokens``: KV slots the call's requests need all together. Unless ``cb_config`` sets ``num_blocks``, the
+    cache grows from the engine's default (the static cache's memory) up to :data:`MAX_GROWTH` times it to hold
+    them, so a batch of many requests (GRPO's rollouts) runs without preemptions; it never shrinks.
+    """
     options = engine_options(cb_config)
+    if "num_blocks" not in options and want_tokens:
+        static = get_injection(model).runtime.cache
+        block = options.get("block_size", 16)
+        default = -(-int(static.max_tokens) * max(1, int(static.max_batch_size)) // block)
+        options["num_blocks"] = max(default, min(-(-want_tokens // block), MAX_GROWTH * default))
     engine = getattr(model, ENGINE_ATTR, None)
-    if engine is None or engine.options != options:
-        engine = ServingEngine(model, **options)
-        engine.options = options
-        object.__setattr__(model, ENGINE_ATTR, engine)  # a plain attribute, not a submodule
+    if engine is not None:
+        same = {k: v for k, v in engine.options.items() if k != "num_blocks"} == {
+            k: v for k, v in options.items() if k != "num_blocks"
+        }
+        if same and engine.runner.blocks.num_blocks >= options.get("num_blocks", 0):
+            return engine
+    engine = ServingEngine(model, **options)
+    engine.options = options
+    object.__setattr__(model, ENGINE_ATTR, engine)  # a plain attribute, not a submodule
     return engine
 
 
@@ -128,7 +145,8 @@ def run_generate_batch(
     """The body of ``generate_batch`` on the paged engine (synchronous: this thread steps the engine)."""
     config = generation_config if generation_config is not None else model.generation_config
     copies = int(getattr(config, "num_return_sequences", None) or 1)
-    engine = batch_engine(model, continuous_batching_config)
+    want = copies * sum(len(p) + (max_new_tokens or config.max_new_tokens or 0) for p in inputs)
+    engine = batch_engine(model, continuous_batching_config, want)
     # The weights may have changed since the last call (a Hybrid Engine refresh, a training step): KV blocks
     # cached by earlier calls are stale. Sharing within this call stays on.
     engine.clear_prefix_cache()
