@@ -228,7 +228,8 @@ class ServingEngine:
         """Queue one request; returns its handle at once (the request joins at the next step).
 
         ``generation_config``: this request's settings (greedy or sampling with temperature / top_k / top_p / min_p
-        / repetition_penalty, ``max_new_tokens``, ``eos_token_id``); default: the engine's. ``on_update(handle,
+        / repetition_penalty, ``max_new_tokens``, ``eos_token_id``); default: the engine's. One submit is one
+        sequence (``num_return_sequences`` is the caller's: submit the prompt again). ``on_update(handle,
         new_tokens, finished)`` is called from the stepping thread after each step that changes the request (keep
         it short; e.g. ``loop.call_soon_threadsafe`` for asyncio). Invalid settings or a request that can never fit
         raise ``ValueError`` here.
