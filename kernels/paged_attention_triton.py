@@ -8,10 +8,12 @@ they are CUDA-graph safe; the shapes alone (``T``, ``S``, the table width) size 
 * ``_paged_decode_kernel``: one query token per sequence (``T == S``), grid ``(S, KVH, num_splits)``; each program
   takes every query head of one KV group over one slice of the keys (like ``decode_attention``) and the splits are
   merged by ``decode_attention``'s merge kernel.
-* ``_paged_prefill_kernel``: ragged query tiles, grid ``(T // BLOCK_M + S, H)``. Sequence ``s`` owns the tiles
-  ``[cu[s] // BLOCK_M + s, cu[s + 1] // BLOCK_M + s + 1)``, at least ``cdiv(n_q, BLOCK_M)`` of them, so a program
-  finds its sequence by a binary search over ``cu_seqlens_q`` (the scheme of vLLM's unified Triton attention) and
-  tiles past a sequence's queries do nothing.
+* ``_paged_prefill_kernel``: ragged query tiles, grid ``(T // BLOCK_Q + S, KVH)``. A tile's ``BLOCK_M`` rows are
+  ``BLOCK_Q = BLOCK_M // G`` query tokens times the ``G`` query heads of one KV group, so each K/V tile is read once
+  per group and a decode token mixed into a prefill step costs one program per KV head, not a tile per query head.
+  Sequence ``s`` owns the tiles ``[cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1)``, at least
+  ``cdiv(n_q, BLOCK_Q)`` of them, so a program finds its sequence by a binary search over ``cu_seqlens_q`` (the
+  scheme of vLLM's unified Triton attention) and tiles past a sequence's queries do nothing.
 """
 
 from __future__ import annotations
@@ -209,7 +211,6 @@ def _paged_prefill_kernel(
     S,
     H,
     D,
-    G,
     BS,
     scale,
     window,
@@ -223,7 +224,9 @@ def _paged_prefill_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
-    BLOCK_M: tl.constexpr,
+    G: tl.constexpr,  # query heads per kv head (a model constant: compiled in, so // G and % G are cheap)
+    BLOCK_M: tl.constexpr,  # tile rows: BLOCK_Q tokens x G heads (rows past BLOCK_Q * G are padding)
+    BLOCK_Q: tl.constexpr,  # query tokens per tile, BLOCK_M // G
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -232,37 +235,39 @@ def _paged_prefill_kernel(
     UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = (h // G).to(tl.int64)
-    # The sequence of this tile: the last s whose first tile cu[s] // BLOCK_M + s is <= tile (binary search).
+    kvh = tl.program_id(1).to(tl.int64)
+    # The sequence of this tile: the last s whose first tile cu[s] // BLOCK_Q + s is <= tile (binary search).
     lo_s = 0
     hi_s = S
     while lo_s < hi_s:
         mid = (lo_s + hi_s) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
         right = first_tile <= tile
         lo_s = tl.where(right, mid + 1, lo_s)
         hi_s = tl.where(right, hi_s, mid)
     s = (lo_s - 1).to(tl.int64)
     q_start = tl.load(cu_seqlens_q_ptr + s)
     n_q = tl.load(cu_seqlens_q_ptr + s + 1) - q_start
-    m0 = (tile - (q_start // BLOCK_M + s)) * BLOCK_M  # first query of this tile within the sequence
+    m0 = (tile - (q_start // BLOCK_Q + s)) * BLOCK_Q  # first query token of this tile within the sequence
     base = tl.load(seq_lens_ptr + s) - n_q  # position of the sequence's first new token
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    # Row r holds token m0 + r // G under query head kvh * G + r % G: the group's heads share every K/V tile.
+    offs_r = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
-    q_valid = offs_m < n_q
-    pos = base + offs_m  # [BLOCK_M]
-    rows = q_start.to(tl.int64) + offs_m  # [BLOCK_M] rows of q / out
+    tok = m0 + offs_r // G  # [BLOCK_M]
+    heads = kvh * G + offs_r % G  # [BLOCK_M] int64
+    q_valid = (offs_r < BLOCK_Q * G) & (tok < n_q)
+    pos = base + tok
+    rows = q_start.to(tl.int64) + tok  # [BLOCK_M] rows of q / out
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=q_valid[:, None] & d_mask[None, :],
         other=0.0,
     )
     # Keys up to the tile's last query position; a tile past the sequence's queries visits none.
-    hi = base + tl.minimum(m0 + BLOCK_M, n_q)
+    hi = base + tl.minimum(m0 + BLOCK_Q, n_q)
     hi = tl.where(m0 < n_q, hi, 0)
     lo = 0
     if HAS_WINDOW:
@@ -300,15 +305,15 @@ def _paged_prefill_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    out_offs = (rows[:, None] * H + h) * D + offs_d[None, :]
+    out_offs = (rows[:, None] * H + heads[:, None]) * D + offs_d[None, :]
     tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & d_mask[None, :])
 
 
 def paged_prefill_tiles(block_d: int, dtype: torch.dtype, target: object) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the varlen kernel: the prefill table of ``_arch.py``, except
     fp32 at 64 < D <= 128. There the per-column block-table gather (int64 row offsets per key) pushes the 32x32 FMA
-    tiles past the register cap: ptxas spilled 160 B on sm_90 and 32 B on sm_80 (16x32 still left an 8 B stack
-    frame on sm_90); 32x16 with 8 warps compiles to 80 registers and no stack on both."""
+    tiles past the register cap on sm_90 (ptxas: 255 registers and a 120 B stack); 32x16 with 8 warps compiles to
+    74-79 registers and no stack on sm_90 and sm_80."""
     if dtype == torch.float32 and 64 < block_d <= 128:
         return 32, 16, 8, 1
     return attention_tiles(block_d, dtype, target)
@@ -385,11 +390,13 @@ def paged_attention_triton(
         BLOCK_M, BLOCK_N, num_warps, num_stages = 16, 16, 4, 1
     else:
         BLOCK_M, BLOCK_N, num_warps, num_stages = paged_prefill_tiles(BLOCK_D, q.dtype, target_of(q))
-    _paged_prefill_kernel[(T // BLOCK_M + S, H)](
+    BLOCK_M = max(BLOCK_M, triton.next_power_of_2(G))  # at least one token's whole group per tile
+    BLOCK_Q = BLOCK_M // G
+    _paged_prefill_kernel[(T // BLOCK_Q + S, KVH)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, out,
-        S, H, D, G, BS, float(scale), window, cap,
+        S, H, D, BS, float(scale), window, cap,
         q.stride(0), q.stride(1), block_tables.stride(0), *cache_strides,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     return out

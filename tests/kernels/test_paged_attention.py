@@ -103,6 +103,13 @@ def test_paged_torch_matches_compact_prefill(case, dtype, device):
         assert_close(out[a : a + n], expect, ATTENTION_TOL, msg=f"sequence {s}")
 
 
+def test_varlen_group_wider_than_the_tile(device):
+    """32 query heads on one KV head: the tile grows to hold one token's whole group (one token per tile)."""
+    q, kc, vc, bt, cu, lens, _ = make_batch(32, 1, 16, 16, [(3, 20), (1, 7), (2, 2)], torch.float32, device, seed=4)
+    ref = paged_attention_reference(q, kc, vc, bt, cu, lens, 0.25, 10.0, 6)
+    assert_close(paged_attention_triton(q, kc, vc, bt, cu, lens, 0.25, 10.0, 6), ref, ATTENTION_TOL)
+
+
 def test_chunked_prefill_equals_whole_prompt(device):
     """A prompt attended in three chunks (each after storing its keys) equals the prompt in one call."""
     H, KVH, D, BS, L = 6, 2, 32, 16, 37
