@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .bench import NOISY_SPREAD, noise_advice, write_report
+from .bench_report import NOISY_SPREAD, noise_advice, write_report
 from .log import logger
 
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf_dsinfer")
@@ -181,7 +181,7 @@ def run_encoder_bench(
     A contender that raises (loading, the fused-layer check, a run) gets a row with ``failed=True``, its ``error`` and
     no figures; the others still run. Ratios and the embedding difference need the contender they compare with.
     """
-    from .bench import _error_text
+    from .bench_report import error_text
     from .policies.injection import is_injected
 
     use_st = _have_sentence_transformers() if use_st is None else use_st
@@ -198,7 +198,7 @@ def run_encoder_bench(
             pooled[name] = encode(texts, batch_size)  # warm-up, exactness
         except Exception as e:  # noqa: BLE001 - reported in its row, the other contenders still run
             logger.debug("bench --encoder: %s failed", name, exc_info=True)
-            errors[name] = _error_text(e)
+            errors[name] = error_text(e)
         else:
             embedders[name] = encode
     times: dict[str, list[float]] = {name: [] for name in embedders}
@@ -208,7 +208,7 @@ def run_encoder_bench(
             try:
                 encode(texts, batch_size)
             except Exception as e:  # noqa: BLE001
-                errors[name] = _error_text(e)
+                errors[name] = error_text(e)
                 del embedders[name]
                 continue
             times[name].append(time.perf_counter() - start)

@@ -100,7 +100,7 @@ def _row(
 def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
                 dtype: str, iterations: int, lora_rank: int, seed: int) -> list[dict]:  # fmt: skip
     """Both contenders of one training setup, alternating on one shared model; a row each."""
-    from ..bench import _error_text
+    from ..bench_report import error_text
     from ..log import logger
     from ..policies import get_injection
     from .engine import HybridEngine
@@ -124,7 +124,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the engine failing is the bench's finding, the HF peer still runs
         logger.debug("bench --hybrid: HybridEngine failed to start", exc_info=True)
-        errors["hybrid"] = _error_text(e)
+        errors["hybrid"] = error_text(e)
     times = {peer: {"generate_ms": [], "train_ms": [], "e2e_ms": []},
              "hybrid": {"generate_ms": [], "refresh_ms": [], "train_ms": [], "e2e_ms": []}}  # fmt: skip
 
@@ -162,7 +162,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             run(record)
         except Exception as e:  # noqa: BLE001 - reported in its row, the other contender still runs
             logger.debug("bench --hybrid: %s failed", name, exc_info=True)
-            errors[name] = _error_text(e)
+            errors[name] = error_text(e)
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -217,10 +217,10 @@ def run_hybrid_bench(
         try:
             rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed)
         except Exception as e:  # noqa: BLE001 - the setup failed (model, peft): both rows failed, the other setup runs
-            from ..bench import _error_text
+            from ..bench_report import error_text
 
             peer = "peft" if mode == "lora" else "hf"
-            error = f"setup: {_error_text(e)}"
+            error = f"setup: {error_text(e)}"
             no_times = {"generate_ms": [], "train_ms": [], "e2e_ms": []}  # the row's keys, no figures
             rows += [
                 _row(p, mode, preset, batch, prompt_len, new_tokens, no_times, dev, error) for p in (peer, "hybrid")
