@@ -265,3 +265,16 @@ def test_a_raising_client_callback_does_not_stop_the_engine(pair):
         assert bad.result(timeout=60) == hf_alone(ref, batch[0], greedy())
     finally:
         engine.stop()
+
+
+def test_paused_engine_takes_no_step_and_resumes(pair):
+    ref, opt = pair("llama")
+    prompt = prompts((6,), seed=13)[0]
+    engine = ServingEngine(opt, block_size=4).start()
+    try:
+        with engine.paused():  # e.g. a weight update in place
+            handle = engine.submit(prompt, greedy())
+            assert not handle.wait(0.3) and handle.tokens == [], "no step while paused"
+        assert handle.result(timeout=60) == hf_alone(ref, prompt, greedy())
+    finally:
+        engine.stop()

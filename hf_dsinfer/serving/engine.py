@@ -18,6 +18,7 @@ Example (what ``hf-dsinfer serve`` does)::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -352,6 +353,18 @@ class ServingEngine:
                 for seq in incoming:
                     seq.handle._finish("cancelled")
                 self.scheduler.cancel_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the background thread to end (after :meth:`stop` from another thread)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between two steps (e.g. to update the weights in place); requests resume on exit."""
+        with self._step_lock:
+            yield
 
     def _loop(self) -> None:
         try:

@@ -255,9 +255,7 @@ class FusedContinuousBatchingManager:
         self.engine.stop(cancel_pending=hard_stop or not keep_for_next_session, timeout=timeout if block else 0)
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
-        thread = self.engine._thread
-        if thread is not None:
-            thread.join(timeout)
+        self.engine.join(timeout)
 
     def destroy(self) -> None:
         if self.is_running():
@@ -266,7 +264,7 @@ class FusedContinuousBatchingManager:
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Hold the engine between steps (e.g. to update weights in place); requests resume on exit."""
-        with self.engine._step_lock:
+        with self.engine.paused():
             yield
 
     # -- requests ------------------------------------------------------------------------------------------------
