@@ -36,6 +36,7 @@ hf_logging.enable_propagation()
 HEAVY_FIRST = (
     "test_parallel.py", "test_moe_parallel.py", "test_parallel_coverage.py", "test_hybrid_tp.py", "test_quant_tp.py",
     "test_quant_memory.py", "test_injection_memory.py", "test_parallel_memory.py", "test_aot_compile.py",
+    "test_parallel_bin.py", "test_parallel_encdec.py",
 )  # fmt: skip
 
 

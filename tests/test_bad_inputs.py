@@ -223,11 +223,14 @@ def _marian(**extra):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_tp_refuses_embeddings_it_cannot_split_exactly(shared):  # defect 8
-    """Marian ties separate embedding modules (the decoder's embed_tokens) to the vocab-split weight: refused."""
+def test_tp_splits_every_embedding_tied_to_the_vocab_weight(shared):  # defect 8, fixed by encoder-decoder TP
+    """Marian ties separate embedding modules (the decoder's embed_tokens) to the vocab-split weight: each becomes
+    vocab-parallel with the same rows (it was refused before; tests/test_parallel_encdec.py checks the outputs and
+    that a non-embedding module sharing the weight is still refused)."""
     model = _marian(share_encoder_decoder_embeddings=shared)
-    with pytest.raises(ValueError, match=r"model\.decoder\.embed_tokens\.weight.*tensor_parallel\.tp_size=1"):
-        parallel.build_plan(model, 2, 0)
+    plan = parallel.build_plan(model, 2, 0)
+    tied = {name for name, _, _ in plan.tied_embeddings}
+    assert "model.decoder.embed_tokens" in tied, tied
 
 
 def _t5():

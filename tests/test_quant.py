@@ -110,7 +110,7 @@ def test_int8_activations_half_on_gpu_fp32_on_cpu():
         ({"weight": {"q_type": "nf4"}}, r"quant\.weight\.q_type"),
         ({"weight": {"group_size": 0}}, r"quant\.weight\.group_size must be an integer >= 1"),
         ({"weigth": {}}, r"Did you mean 'weight'"),
-        ({"activation": {"enabled": True}}, r"only weight-only quantization"),
+        ({"activation": {"enabled": True, "num_bits": 4}}, r"only weight-only quantization"),  # beyond DS defaults
     ],
 )
 def test_config_errors_name_the_key(quant, match):

@@ -154,7 +154,7 @@ def _load_tensor_parallel(cls: type, args: tuple, cfg: InferenceConfig, kwargs: 
     if not os.path.isdir(path):
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.pt", "*.model", "*.txt"])
     if config is None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     saved = getattr(config, "quantization_config", None)
