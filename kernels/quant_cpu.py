@@ -467,7 +467,10 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
                     if kind == "fp16gemm_exact" and spec.n_groups(k) == 1:
                         continue  # per channel it is fp16gemm
                     name = f"{label} {kind} {'fp32' if cd == torch.float32 else 'bf16'}"
-                    cands[name] = [("packed", pack_for_cpu(*q, spec, k, kind=kind, compute_dtype=cd)) for q in qs]
+                    packs = [pack_for_cpu(*q, spec, k, kind=kind, compute_dtype=cd) for q in qs]
+                    if packs[0].kind != kind:  # rejected by check_kind: the row times the fallback, and says so
+                        name += f" (checked: {packs[0].kind})"
+                    cands[name] = [("packed", p) for p in packs]
         del ws
         for m in rows:
             x = torch.randn(m, k, generator=gen)
@@ -490,11 +493,14 @@ def benchmark(shapes=BENCH_SHAPES, rows=BENCH_ROWS, repeats: int = 3, fp32_bytes
 
 def format_benchmark(rows: list[dict]) -> str:
     """Markdown table: min microseconds per call and the speedup of each kind over fp32 ``F.linear``."""
-    names = [c for c in rows[0] if c not in ("shape", "M", "copies")]
+    names = list(dict.fromkeys(c for r in rows for c in r if c not in ("shape", "M", "copies")))  # every shape's
     lines = ["| shape (N x K) | M | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in rows:
         base = r["fp32 F.linear"][0]
-        cells = [f"{r[c][0]:.0f} us" + ("" if c == "fp32 F.linear" else f" ({base / r[c][0]:.2f}x)") for c in names]
+        cells = [
+            "-" if c not in r else f"{r[c][0]:.0f} us" + ("" if c == "fp32 F.linear" else f" ({base / r[c][0]:.2f}x)")
+            for c in names
+        ]
         lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
