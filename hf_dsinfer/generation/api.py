@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .. import hf_compat
+from ..log import logger
 from .decode import DecodeGraphs, DecodeStep
 from .forward_graphs import install_forward_graphs
 from .loop import CURRENT_CALL, CallContext, FastLoopDeclined, check_capacity, decoding_loop, warn_fallback
@@ -154,10 +155,59 @@ def _max_new_tokens(gen_config: Any, width: int) -> int:
 def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """transformers' ``generate`` with hf_dsinfer's decoding loop (see the module docstring)."""
     state: GenerationState = getattr(self, GEN_ATTR)
+    restore = None
+    if state.runtime is not None:
+        args, kwargs, restore = _left_align(args, kwargs)
     if state.lock is None:
-        return _generate(self, state, args, kwargs)
-    with state.lock:  # the static KV cache serves one call at a time
-        return _generate(self, state, args, kwargs)
+        out = _generate(self, state, args, kwargs)
+    else:
+        with state.lock:  # the static KV cache serves one call at a time
+            out = _generate(self, state, args, kwargs)
+    return restore(out) if restore is not None else out
+
+
+_WARNED_RIGHT_PADDING: list[bool] = []
+
+
+def _left_align(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any], Any]:
+    """Right-padded (or holed) prompts, which the fused static cache cannot hold, run left-padded: each row's real
+    tokens are moved to the end, in order; the outputs are put back in the caller's layout (the prompt as given, then
+    the new tokens). Returns ``(args, kwargs, restore)``, ``restore`` None when the prompts were left-aligned already.
+
+    The tokens are those of each prompt run alone. HF's own generation from right padding differs: it predicts the
+    first new token at the last (padding) position (transformers warns to pad on the left).
+    """
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    mask = kwargs.get("attention_mask")
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2 and mask.dim() == 2):
+        return args, kwargs, None
+    if mask.shape != ids.shape or not bool(((mask[:, 1:] != 0) < (mask[:, :-1] != 0)).any()):
+        return args, kwargs, None  # no real token is followed by padding
+    _, order = torch.sort((mask != 0).to(torch.int8), dim=1, stable=True)  # [B, T]: padding first, order kept
+    kwargs = dict(kwargs, attention_mask=mask.gather(1, order))
+    if isinstance(kwargs.get("position_ids"), torch.Tensor) and kwargs["position_ids"].shape == ids.shape:
+        kwargs["position_ids"] = kwargs["position_ids"].gather(1, order)
+    moved = ids.gather(1, order)
+    if args:
+        args = (moved, *args[1:])
+    else:
+        kwargs["input_ids" if "input_ids" in kwargs else "inputs"] = moved
+    if not _WARNED_RIGHT_PADDING:
+        _WARNED_RIGHT_PADDING.append(True)
+        logger.info("hf_dsinfer generate: right-padded prompts run left-padded; the outputs keep the caller's layout.")
+
+    def restore(out: Any) -> Any:
+        seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if not isinstance(seqs, torch.Tensor) or seqs.dim() != 2 or seqs.shape[0] % ids.shape[0]:
+            return out
+        prompt = ids.repeat_interleave(seqs.shape[0] // ids.shape[0], 0).to(seqs.device)  # num_return_sequences
+        fixed = torch.cat([prompt, seqs[:, ids.shape[1] :]], dim=1)
+        if isinstance(out, torch.Tensor):
+            return fixed
+        out.sequences = fixed
+        return out
+
+    return args, kwargs, restore
 
 
 def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[str, Any]) -> Any:
