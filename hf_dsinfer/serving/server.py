@@ -18,6 +18,7 @@ import asyncio
 import copy
 import json
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -378,6 +379,8 @@ class OpenAIServer:
         logger.info("hf_dsinfer serving %s on http://%s:%d/v1", self.model_name, host, sock.getsockname()[1])
         try:
             self._server(sock).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the signal: a normal exit here
+            logger.info("hf_dsinfer serving: stopped")
         finally:
             self.engine.stop()
 
@@ -471,7 +474,9 @@ def serve(
     max_num_seqs, prefix_sharing) and serve it until interrupted. The model id is ``served_model_name`` or ``path``."""
     model, tokenizer = load_for_serving(path, inference_config)
     engine = ServingEngine(model, **engine_kwargs)
-    server = OpenAIServer(engine, tokenizer, served_model_name or path, default_max_tokens=default_max_tokens)
+    name = served_model_name or path
+    server = OpenAIServer(engine, tokenizer, name, default_max_tokens=default_max_tokens)
+    print(f"hf_dsinfer: serving '{name}' on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run(host, port)
 
 
