@@ -278,3 +278,20 @@ def test_paused_engine_takes_no_step_and_resumes(pair):
         assert handle.result(timeout=60) == hf_alone(ref, prompt, greedy())
     finally:
         engine.stop()
+
+
+def test_stop_without_cancelling_keeps_requests_for_the_next_start(pair):
+    ref, opt = pair("llama")
+    prompt = prompts((7,), seed=14)[0]
+    engine = ServingEngine(opt, block_size=4)
+    with engine.paused():
+        engine.start()
+        handle = engine.submit(prompt, greedy())
+        engine.stop(cancel_pending=False, timeout=0)  # the thread ends before taking a step
+    engine.join(30)
+    assert not engine.is_running and not handle.done
+    engine.start()
+    try:
+        assert handle.result(timeout=60) == hf_alone(ref, prompt, greedy())
+    finally:
+        engine.stop()

@@ -330,7 +330,9 @@ class ServingEngine:
     def start(self) -> ServingEngine:
         """Start the background stepping thread (idempotent); returns the engine."""
         if self.is_running:
-            return self
+            if not self._stopping:
+                return self
+            self._thread.join()  # a stop() that did not wait for its thread: let that thread end first
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="hf_dsinfer-serving", daemon=True)
         self._thread.start()
@@ -345,7 +347,8 @@ class ServingEngine:
                 self._stopping = True
                 self._wake.notify()
             thread.join(timeout)
-            self._thread = None
+            if not thread.is_alive():
+                self._thread = None
         if cancel_pending:
             with self._step_lock:
                 with self._lock:
