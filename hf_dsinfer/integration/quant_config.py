@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig)
 
 INT4_DEFAULT_GROUP = 128
 _TOP_KEYS = ("enabled", "weight", "activation", "qkv")
-_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "lm_head", "quantized_initialization",
-                "post_init_quant")  # fmt: skip
+_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "lm_head", "calibration",
+                "quantized_initialization", "post_init_quant")  # fmt: skip
 _Q_TYPES = {"symmetric": True, "asymmetric": False}
 # DeepSpeed's ``quant.activation`` / ``quant.qkv`` sections and their defaults (DeepSpeed 0.16.5). DeepSpeed fills them
 # in (enabled=True) but its engine never reads them; a section holding only these values is accepted with one info
@@ -68,7 +68,8 @@ def _positive_int(value: Any, key: str) -> int:
 class QuantSettings:
     """The parsed ``quant`` section: how every quantized linear is stored.
 
-    Exactly one of ``group_size`` / ``q_groups`` is set (per-channel int8 is ``q_groups=1``).
+    Exactly one of ``group_size`` / ``q_groups`` is set (per-channel int8 is ``q_groups=1``). ``calibration``: the
+    normalized ``quant.weight.calibration`` (GPTQ, see ``quant_calibration.py``), None for round to nearest.
     """
 
     num_bits: int
@@ -76,6 +77,7 @@ class QuantSettings:
     group_size: int | None = None
     q_groups: int | None = None
     lm_head: bool = False
+    calibration: dict[str, Any] | None = None
 
     def spec_for(self, in_features: int) -> QuantSpec:
         """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row)."""
@@ -98,6 +100,8 @@ class QuantSettings:
             weight["group_size"] = self.group_size
         else:
             weight["q_groups"] = self.q_groups
+        if self.calibration is not None:
+            weight["calibration"] = dict(self.calibration)
         return {"enabled": True, "weight": weight}
 
     def describe(self) -> str:
@@ -108,7 +112,8 @@ class QuantSettings:
             if self.group_size is not None
             else ("per channel" if self.q_groups == 1 else f"{self.q_groups} groups per row")
         )
-        return f"int{self.num_bits} {kind}, {groups}"
+        method = ", GPTQ-calibrated" if self.calibration is not None else ""
+        return f"int{self.num_bits} {kind}, {groups}{method}"
 
 
 def parse_quant(value: Any) -> QuantSettings | None:
@@ -169,7 +174,10 @@ def parse_quant(value: Any) -> QuantSettings | None:
         group_size = INT4_DEFAULT_GROUP
     else:
         q_groups = 1  # int8: per channel
-    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head)
+    from .quant_calibration import parse_calibration
+
+    calibration = parse_calibration(weight.get("calibration"))
+    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head, calibration)
 
 
 def _check_unread_section(sub: Any, key: str, defaults: dict[str, Any]) -> None:
@@ -286,6 +294,8 @@ def swap_placeholders(model: nn.Module, settings: QuantSettings, dtype: torch.dt
     placeholder. ``quantized``: the checkpoint already holds quantized tensors. Returns the number replaced."""
     from ..modules.quant_linear import QuantLinear, set_submodule
 
+    if settings.calibration is not None and not quantized:
+        return 0  # calibrated: the float weights load as they are, quantize_model_ quantizes them after a forward pass
     targets = _targets(model, settings)
     for name, lin in targets:
         spec = settings.spec_for(lin.in_features)
@@ -327,15 +337,49 @@ def quantize_model_(model: nn.Module, settings: QuantSettings) -> int:
         reduce = _row_parallel_reduce(module)
         if reduce is not None and "expert" not in name:
             targets.append((name, module, reduce))
+    hessians = _calibrate(model, targets, settings)
     for name, module, reduce in targets:
         w = module.weight
         if w.is_meta:
             raise ValueError(f"{name} has no weights yet (meta device); load the model before quantizing it.")
-        q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, reduce)
+        q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, reduce,
+                                   hessians.pop(name, None), _damp(settings))  # fmt: skip
         set_submodule(model, name, q)
         module.weight = None if isinstance(module, nn.Linear) else module.weight  # drop our reference early
         count += 1
     return count
+
+
+def _damp(settings: QuantSettings) -> float:
+    return settings.calibration["damp_percent"] if settings.calibration is not None else 0.01
+
+
+def _refuse_calibration(settings: QuantSettings, where: str) -> None:
+    if settings.calibration is not None:
+        raise ValueError(
+            f"quant.weight.calibration (GPTQ) is not supported {where}: it needs the whole float model in one process "
+            "for its calibration pass. Remove quant.weight.calibration (round to nearest) or quantize at "
+            "tensor_parallel.tp_size=1 in a plain from_pretrained / init_inference."
+        )
+
+
+def _calibrate(model: nn.Module, targets: list[tuple[str, nn.Module, Any]], settings: QuantSettings) -> dict:
+    """``{name: H}`` for the targets of a calibrated ``settings`` (one forward pass over the calibration text), else
+    empty."""
+    if settings.calibration is None or not targets:
+        return {}
+    if any(reduce is not None for _, _, reduce in targets):
+        _refuse_calibration(settings, "with tensor parallelism")
+    import time
+
+    from .quant_calibration import calibration_ids, collect_hessians
+
+    start = time.perf_counter()
+    batches = calibration_ids(model, settings.calibration)
+    hessians = collect_hessians(model, [(n, m) for n, m, _ in targets], batches)
+    logger.info("quant calibration: %d sequences of up to %d tokens in %.1f s; quantizing %d linears with GPTQ",
+                len(batches), settings.calibration["seq_len"], time.perf_counter() - start, len(targets))  # fmt: skip
+    return hessians
 
 
 def quantize_loaded(module: nn.Module, settings: QuantSettings) -> QuantLinear:
@@ -394,6 +438,7 @@ def quantize_slices(settings: QuantSettings) -> Any:
 
     from ..modules.quant_linear import QuantLinear
 
+    _refuse_calibration(settings, "with tensor parallelism")
     state: dict[str, Any] = {"targets": None, "replaced": {}}
 
     def on_loaded(places: list[tuple[nn.Module, str]]) -> None:
@@ -440,6 +485,7 @@ def quantize_fused_layers_(layers: nn.ModuleList, settings: QuantSettings) -> in
     from ..modules.linear import Linear
     from ..modules.quant_linear import QuantLinear
 
+    _refuse_calibration(settings, "for the Hybrid Engine's inference copy (refreshed on every switch)")
     count = 0
     for layer in layers:
         for path in _FUSED_LINEARS:

@@ -116,10 +116,13 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None = None,
         scale_dtype: torch.dtype | None = None,
         reduce: Reduce | None = None,
+        hessian: torch.Tensor | None = None,
+        damp: float = 0.01,
     ) -> QuantLinear:
-        """Quantize a float ``weight [N, K]`` (round to nearest); ``scale_dtype``: default the weight's dtype."""
+        """Quantize a float ``weight [N, K]``: round to nearest, or GPTQ given ``hessian [K, K]`` (the inputs'
+        ``X^T X / n``, with dampening ``damp``); ``scale_dtype``: default the weight's dtype."""
         n, k = weight.shape
-        q, s, z = quantize_weight(weight, spec.for_features(k), scale_dtype)
+        q, s, z = quantize_weight(weight, spec.for_features(k), scale_dtype, hessian, damp)
         return cls(k, n, spec, q, s, z, bias, reduce)
 
     @classmethod

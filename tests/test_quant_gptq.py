@@ -1,0 +1,100 @@
+"""GPTQ (calibrated int4 / int8): the algorithm on small random problems, and the ``quant.weight.calibration``
+setting. The real-model quality bounds are in tests/test_quant_real.py."""
+
+import pytest
+import torch
+
+from hf_dsinfer.integration.quant_calibration import CALIBRATION_DEFAULTS, parse_calibration
+from hf_dsinfer.integration.quant_config import parse_quant, quantize_fused_layers_, quantize_slices
+from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quantize_weight
+
+SPECS = [QuantSpec(4, 64, False), QuantSpec(4, 64, True), QuantSpec(4, 100, False), QuantSpec(8, 256, True)]
+
+
+def _problem(seed: int = 0, n: int = 24, k: int = 256):
+    """A weight and inputs whose features have very different scales (what makes GPTQ beat round-to-nearest)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)  # [N, K]
+    x = torch.randn(512, k, generator=g) * torch.linspace(0.05, 3.0, k)  # [tokens, K]
+    return w, x, x.t() @ x / x.shape[0]
+
+
+def _output_error(q, spec, w, x) -> float:
+    deq = dequantize_weight(*q, spec, w.shape[1], torch.float32)
+    return ((x @ (deq - w).t()) ** 2).mean().item() / ((x @ w.t()) ** 2).mean().item()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_gptq_with_identity_hessian_is_round_to_nearest(spec):
+    w, _, _ = _problem()
+    rtn = quantize_weight(w, spec)
+    gptq = quantize_weight(w, spec, hessian=torch.eye(w.shape[1]), damp=0.0)
+    for a, b in zip(rtn, gptq):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_gptq_lowers_the_output_error(spec):
+    w, x, h = _problem()
+    rtn = _output_error(quantize_weight(w, spec), spec, w, x)
+    gptq = _output_error(quantize_weight(w, spec, hessian=h), spec, w, x)
+    assert gptq < 0.8 * rtn, (gptq, rtn)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_gptq_row_slices_quantize_like_the_whole(spec):
+    # column-parallel TP slices rows: each rank must get the rows of the tp=1 result
+    w, _, h = _problem(1)
+    whole = quantize_weight(w, spec, hessian=h)
+    part = quantize_weight(w[5:17], spec, hessian=h)
+    for a, b in zip(whole, part):
+        assert (a is None and b is None) or torch.equal(a[5:17], b)
+
+
+def test_gptq_dead_inputs_and_bad_hessian():
+    w, x, h = _problem(2)
+    h[:, 7] = 0.0
+    h[7, :] = 0.0  # an input that is always 0
+    q = quantize_weight(w, QuantSpec(4, 64, False), hessian=h)
+    assert all(torch.isfinite(t.float()).all() for t in q if t is not None)
+    with pytest.raises(ValueError, match=r"hessian must be \[256, 256\]"):
+        quantize_weight(w, QuantSpec(4, 64, False), hessian=torch.eye(8))
+
+
+def test_calibration_setting_parsed_and_saved(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("Some text to calibrate on.")
+    settings = parse_quant({"weight": {"num_bits": 4, "calibration": "gptq"}})
+    assert settings.calibration == CALIBRATION_DEFAULTS
+    assert settings.to_dict()["weight"]["calibration"] == CALIBRATION_DEFAULTS  # written to config.json
+    assert parse_quant(settings.to_dict()) == settings  # and read back the same
+    assert "GPTQ" in settings.describe()
+    custom = parse_calibration({"dataset": str(text), "num_samples": 4, "seq_len": 64, "damp_percent": 0.05})
+    assert custom == {"method": "gptq", "dataset": str(text), "num_samples": 4, "seq_len": 64, "damp_percent": 0.05}
+    assert parse_calibration({"dataset": ("a b c", "d e f")})["dataset"] == ["a b c", "d e f"]
+    assert parse_calibration(None) is None and parse_calibration(False) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"num_sample": 4}, r"Unknown quant.weight.calibration key 'num_sample'. Did you mean 'num_samples'\?"),
+        ({"method": "awq"}, r"calibration.method must be one of gptq"),
+        ({"seq_len": 0}, r"calibration.seq_len must be an integer >= 1"),
+        ({"damp_percent": 2}, r"damp_percent must be a number in \(0, 1\)"),
+        ({"dataset": "/no/such/file.txt"}, r"is not a file"),
+        ({"dataset": [1, 2]}, r"dataset must be None"),
+        (3, r"calibration must be a dict"),
+    ],
+)
+def test_calibration_errors_name_the_key(value, match):
+    with pytest.raises(ValueError, match=match):
+        parse_quant({"weight": {"num_bits": 4, "calibration": value}})
+
+
+def test_calibration_refused_where_it_cannot_run():
+    settings = parse_quant({"weight": {"num_bits": 4, "calibration": "gptq"}})
+    with pytest.raises(ValueError, match="calibration.*not supported with tensor parallelism"):
+        quantize_slices(settings)
+    with pytest.raises(ValueError, match="calibration.*Hybrid Engine"):
+        quantize_fused_layers_(torch.nn.ModuleList(), settings)
