@@ -84,8 +84,12 @@ def _check_lengths(
     n_q = [b - a for a, b in zip(cu[:-1], cu[1:])]
     capacity = block_tables.shape[1] * block_size
     for s, (n, L) in enumerate(zip(n_q, lens)):
-        if n < 0:
-            raise ValueError(f"cu_seqlens_q must be non-decreasing; sequence {s} has {n} query tokens")
+        if n < 1:
+            # The Triton launcher takes T == S to mean one token each, which holds only if none has zero.
+            raise ValueError(
+                f"sequence {s} has {n} new tokens in cu_seqlens_q: each sequence needs at least one (leave a "
+                "sequence with nothing to compute out of the batch)"
+            )
         if n > L:
             raise ValueError(
                 f"sequence {s} has {n} new tokens but seq_lens_k[{s}]={L}: seq_lens_k counts the keys *including* "
@@ -323,8 +327,6 @@ def paged_attention_reference(
     n_q, lens = _check_lengths(q, block_tables, cu_seqlens_q, seq_lens_k, BS)
     cu = cu_seqlens_q.tolist()
     for s, (n, L) in enumerate(zip(n_q, lens)):
-        if n == 0:
-            continue
         slots = [(int(block_tables[s, j // BS]), j % BS) for j in range(L)]
         k = torch.stack([k_cache[b, o] for b, o in slots]).float()  # [L, KVH, D]
         v = torch.stack([v_cache[b, o] for b, o in slots]).float()

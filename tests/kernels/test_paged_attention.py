@@ -180,6 +180,8 @@ def test_paged_torch_rejects_inconsistent_lengths(device):
         paged_attention_torch(q, kc, vc, bt, cu, torch.tensor([1, 3], dtype=torch.int32, device=device), 0.1)
     with pytest.raises(ValueError, match="needs more than the 2 blocks of 16 slots"):
         paged_attention_torch(q, kc, vc, bt, cu, torch.tensor([40, 3], dtype=torch.int32, device=device), 0.1)
+    with pytest.raises(ValueError, match="sequence 1 has 0 new tokens in cu_seqlens_q"):
+        paged_attention_torch(q[:2], kc, vc, bt, torch.tensor([0, 2, 2], dtype=torch.int32, device=device), lens, 0.1)
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and end at q.shape\\[0\\]=3"):
         paged_attention_torch(q, kc, vc, bt, cu + 1, lens, 0.1)
 
