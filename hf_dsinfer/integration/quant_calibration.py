@@ -11,7 +11,7 @@ Setting (our own key; DeepSpeed's schema has none; the option names follow trans
     quant={"enabled": True, "weight": {"num_bits": 4, "calibration": {
         "method": "gptq",          # the only method
         "dataset": None,           # None: built-in text; a path to a UTF-8 text file; or a list of strings
-        "num_samples": 32,         # sequences of ...
+        "num_samples": 16,         # sequences of ...
         "seq_len": 256,            # ... tokens each, cut from the tokenized text (fewer if the text is shorter)
         "damp_percent": 0.01}}}    # GPTQ's dampening: this fraction of the mean diagonal is added to H
     # shorthand: "calibration": "gptq" (or True) for all the defaults
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 CALIBRATION_DEFAULTS: dict[str, Any] = {
     "method": "gptq",
     "dataset": None,
-    "num_samples": 32,
+    "num_samples": 16,
     "seq_len": 256,
     "damp_percent": 0.01,
 }
