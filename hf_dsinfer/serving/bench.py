@@ -92,7 +92,9 @@ def run_manager(model: nn.Module, work: list[tuple[list, int]], offsets: list[fl
     manager.stop(block=True)
     tokens = sum(len(o.generated_tokens) for o in done.values())
     ttft = [o.timestamps[0] - submitted[rid] for rid, o in done.items() if o.timestamps]
-    return {"tokens": tokens, "seconds": elapsed, "ttft": ttft}
+    engine = getattr(manager, "engine", None)  # ours: how often the cache ran out
+    extra = {"preemptions": engine.stats.preemptions} if engine is not None else {}
+    return {"tokens": tokens, "seconds": elapsed, "ttft": ttft, **extra}
 
 
 def run_padded(model: nn.Module, work: list[tuple[list, int]], offsets: list[float]) -> dict:
@@ -143,7 +145,7 @@ def _summary(runs: list[dict]) -> dict:
     ttft = [t for r in runs for t in r.get("ttft", [])]
     if ttft:
         row.update(ttft_p50_ms=_percentile(ttft, 0.5) * 1e3, ttft_p99_ms=_percentile(ttft, 0.99) * 1e3)
-    for key in ("prefill_computed", "prefill_requested"):
+    for key in ("prefill_computed", "prefill_requested", "preemptions"):
         if key in runs[0]:
             row[key] = runs[0][key]
     return row

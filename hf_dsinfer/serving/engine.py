@@ -171,8 +171,9 @@ class ServingEngine:
     Args:
         model: the injected ``*ForCausalLM``.
         block_size: tokens per KV block.
-        num_blocks: blocks in the paged cache (shared by all layers' pools); None: as many tokens as the static cache
-            would hold (``max_out_tokens * max_batch_size`` of the inference config).
+        num_blocks: blocks in the paged cache (shared by all layers' pools); None: room for ``max_num_seqs``
+            requests of ``max_out_tokens`` tokens, within half the free GPU memory (a quarter of the RAM on CPU),
+            and at least the static cache's ``max_out_tokens * max_batch_size`` tokens.
         max_batch_tokens: token budget of one step (decode tokens plus prefill chunks: longer prompts are prefilled
             in chunks of at most this many tokens).
         max_num_seqs: requests running at once (the rest wait).
@@ -196,7 +197,7 @@ class ServingEngine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServingEngine({name}={value!r}): pass a positive integer")
         self.model = model
-        self.runner = PagedRunner(model, block_size=block_size, num_blocks=num_blocks)
+        self.runner = PagedRunner(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
         self.scheduler = Scheduler(
             self.runner.blocks, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
             prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..modules.attention import PagedStepContext
-from ..modules.kv_cache import PagedKVCache
+from ..modules.kv_cache import PagedKVCache, _device_free_bytes
 from ..policies.injection import get_injection
 from .blocks import BlockManager
 from .requests import SamplingParams, Sequence
@@ -45,7 +45,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class PagedRunner:
     """Owns the paged cache and block manager of one model and runs :class:`StepPlan` s on its fused layers."""
 
-    def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int | None):
+    def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int | None, max_num_seqs: int = 64):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"continuous batching on fused layers cannot serve this model: {reason}")
@@ -54,12 +54,25 @@ class PagedRunner:
         static = self.runtime.cache
         #: Longest request (prompt + new tokens): the rotary / position tables are built for max_out_tokens.
         self.max_positions = int(static.max_tokens)
-        if num_blocks is None:  # the memory of the static cache: max_out_tokens x max_batch_size tokens
-            num_blocks = -(-self.max_positions * max(1, int(static.max_batch_size)) // block_size)
         specs = [layer.attn.spec for layer in self.runtime.layers]
+        if num_blocks is None:
+            num_blocks = self._default_blocks(model, specs, block_size, max_num_seqs)
         self.cache = PagedKVCache([s.num_kv_heads for s in specs], [s.head_dim for s in specs], num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, self.cache.copy_block)
         self.vocab = model.get_output_embeddings().weight.shape[0]
+
+    def _default_blocks(self, model: nn.Module, specs: list, block_size: int, max_num_seqs: int) -> int:
+        """Room for ``max_num_seqs`` requests of ``max_out_tokens``, within half the free GPU memory (a quarter of the
+        RAM on CPU), and at least the static cache's ``max_out_tokens x max_batch_size`` tokens."""
+        static = self.runtime.cache
+        weight = model.get_output_embeddings().weight
+        per_token = 2 * weight.element_size() * sum(s.num_kv_heads * s.head_dim for s in specs)  # K and V, all layers
+        tokens = self.max_positions * max_num_seqs
+        free = _device_free_bytes(weight.device)  # CUDA: free memory; CPU: physical RAM (not what is free)
+        if free is not None:
+            tokens = min(tokens, free // (2 if weight.device.type == "cuda" else 4) // per_token)
+        tokens = max(tokens, self.max_positions * max(1, int(static.max_batch_size)))
+        return -(-tokens // block_size)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Refuse a prompt no step could run (empty, ids outside the vocabulary)."""
