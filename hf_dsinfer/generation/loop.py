@@ -24,6 +24,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from .. import hf_compat
 from ..log import logger
 from .processors import DecodePlan, StepProcessor, plan_decoding
+from .speculative import lookup_applies, prompt_lookup_loop
 from .stats import StepTimer
 
 # model kwargs transformers prepares for a decoder-only model that the fast loop understands
@@ -108,7 +109,25 @@ def decoding_loop(
         raise FastLoopDeclined(plan)
     if streamer is not None:
         streamer.put(input_ids.cpu())  # what transformers' generate does before its loop (the call holds the streamer)
+    if lookup_applies(plan, input_ids.shape[0], generation_config):
+        return _lookup(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
     return _fast(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
+
+
+def _lookup(self, call: CallContext, plan: DecodePlan, input_ids, generation_config, streamer, model_kwargs):
+    """Greedy with prompt-lookup proposals verified on the fused layers (:mod:`.speculative`): plain greedy's tokens."""
+    prompt_len = input_ids.shape[1]
+    n_new = max(plan.max_length - prompt_len, 1)
+    check_capacity(prompt_len, n_new, call.state.runtime.cache.max_tokens)
+    call.path = "fast+lookup"
+    sequences, handle, generated = prompt_lookup_loop(
+        self, call, plan, input_ids, generation_config, streamer, model_kwargs, n_new
+    )
+    call.batch, call.new_tokens = 1, generated
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return hf_compat.make_output(GenerateDecoderOnlyOutput, sequences=sequences, scores=None, logits=None,
+                                 attentions=None, hidden_states=None, cache=handle)  # fmt: skip
 
 
 def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_config, streamer, model_kwargs):

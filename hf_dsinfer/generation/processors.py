@@ -89,8 +89,12 @@ def fast_loop_blocker(config: GenerationConfig) -> str | None:
                 continue
             if name == "num_beams":
                 return "beam search"
-            if name in ("penalty_alpha", "prompt_lookup_num_tokens"):
-                return "contrastive search / prompt lookup"
+            if name == "prompt_lookup_num_tokens":
+                if not config.do_sample:
+                    continue  # greedy: the fast loop verifies proposals itself (generation/speculative.py)
+                return "prompt lookup with sampling"
+            if name == "penalty_alpha":
+                return "contrastive search"
             return f"generation_config.{name}={value!r}"
     return None
 

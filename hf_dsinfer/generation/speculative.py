@@ -1,0 +1,123 @@
+"""Prompt-lookup speculative decoding on the fused layers (``generate(prompt_lookup_num_tokens=k)``, greedy).
+
+Each step proposes up to ``k`` tokens by matching the last n-gram of the sequence earlier in it (the prompt and the
+tokens generated so far), then verifies them in one forward of ``1 + k`` tokens over the static cache: the greedy
+token at every position is computed exactly as plain greedy would, the proposal's matching prefix is kept, and the
+cache is rolled back over the rest (``InjectedCache.crop``). The output is plain greedy's, token for token; only the
+number of forwards changes. Copy-heavy requests (edit, repeat or summarize a passage, code) accept several tokens per
+forward.
+
+Served here: greedy, one row, without a repetition penalty (its seen-token state would have to roll back too) and
+without per-step scores or logits in the output. Other requests with ``prompt_lookup_num_tokens`` run the plain fast
+loop when greedy (the same tokens), or transformers' assisted loop when sampling (decided in ``api._route``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import hf_compat
+from .processors import DecodePlan, StepProcessor
+
+
+def lookup_applies(plan: DecodePlan, batch: int, generation_config: Any) -> bool:
+    """Whether :func:`prompt_lookup_loop` can serve this request exactly."""
+    k = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    return (
+        bool(k)
+        and batch == 1
+        and not plan.do_sample
+        and plan.repetition_penalty is None
+        and not (generation_config.return_dict_in_generate and
+                 (generation_config.output_scores or generation_config.output_logits))
+    )  # fmt: skip
+
+
+def propose(seq: list[int], k: int, max_ngram: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n-gram (the longest n
+    first, ``max_ngram`` down to 1); ``[]`` when none occurs."""
+    n_tokens = len(seq)
+    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
+        tail = seq[-n:]
+        for start in range(n_tokens - n - 1, -1, -1):  # latest match first: the most recent context repeats best
+            if seq[start : start + n] == tail:
+                follow = seq[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+def prompt_lookup_loop(
+    model: Any,
+    call: Any,
+    plan: DecodePlan,
+    input_ids: torch.Tensor,  # [1, P]
+    generation_config: Any,
+    streamer: Any,
+    model_kwargs: dict[str, Any],
+    n_new: int,
+) -> tuple[torch.Tensor, Any, int]:
+    """Greedy decoding with prompt-lookup proposals; ``(sequences [1, P + N], cache handle, tokens generated)``."""
+    k_max = int(generation_config.prompt_lookup_num_tokens)
+    max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or 2)
+    device = input_ids.device
+    prompt_len = input_ids.shape[1]
+    positions = model_kwargs.get("position_ids")
+    start = int(positions[0, -1]) + 1 if positions is not None else prompt_len  # position of the first new token
+    out = model(input_ids=input_ids, attention_mask=model_kwargs.get("attention_mask"), position_ids=positions,
+                use_cache=True, logits_to_keep=1, return_dict=True)  # fmt: skip
+    handle = hf_compat.output_cache(out)
+    proc = StepProcessor(plan, input_ids, out.logits.shape[-1], None)
+    eos = set(plan.eos.tolist()) if plan.eos is not None else set()
+    seq = input_ids[0].tolist()
+    tok = int(proc.select(proc.process(out.logits[:, -1].float(), 0))[0])
+    del out
+    generated = 0
+    while True:
+        seq.append(tok)
+        generated += 1
+        call.timer.mark()
+        if streamer is not None:
+            streamer.put(torch.tensor([tok]))
+        if _stops(plan, seq, tok, eos, generated, n_new, device):
+            break
+        # propose, then verify [tok, c_1..c_k] in one forward: logits j give the greedy token after c_j
+        cands = propose(seq, min(k_max, n_new - generated - 1), max_ngram)
+        feed = torch.tensor([[tok, *cands]], device=device)  # [1, 1 + k]
+        pos = torch.arange(feed.shape[1], device=device)[None] + (start + generated - 1)
+        logits = model(input_ids=feed, position_ids=pos, use_cache=True, return_dict=True,
+                       **{hf_compat.cache_kwarg(): handle}).logits[0].float()  # fmt: skip  [1 + k, V]
+        picks = [int(proc.select(proc.process(logits[j : j + 1], generated + j))[0]) for j in range(len(cands) + 1)]
+        accepted = 0
+        while accepted < len(cands) and picks[accepted] == cands[accepted]:
+            accepted += 1
+        handle.crop(-(len(cands) - accepted))  # drop the cache entries of the rejected proposals
+        for j in range(accepted):  # the accepted proposals are greedy's tokens; emit them one by one (stop checks)
+            seq.append(cands[j])
+            generated += 1
+            call.timer.mark()
+            if streamer is not None:
+                streamer.put(torch.tensor([cands[j]]))
+            if _stops(plan, seq, cands[j], eos, generated, n_new, device):
+                # the cache holds tok, c_1..c_accepted; plain greedy's would end before the last token emitted (c_j+1)
+                handle.crop(-(accepted - j))
+                return _done(seq, handle, generated, streamer, device)
+        tok = picks[accepted]
+    return _done(seq, handle, generated, streamer, device)
+
+
+def _stops(plan: DecodePlan, seq: list[int], tok: int, eos: set[int], generated: int, n_new: int, device) -> bool:
+    if tok in eos or generated >= n_new:
+        return True
+    if plan.host_criteria:
+        ids = torch.tensor([seq], device=device)
+        return any(bool(crit(ids, None).any()) for crit in plan.host_criteria)
+    return False
+
+
+def _done(seq: list[int], handle: Any, generated: int, streamer: Any, device) -> tuple[torch.Tensor, Any, int]:
+    if streamer is not None:
+        streamer.end()
+    return torch.tensor([seq], device=device), handle, generated
