@@ -6,8 +6,8 @@ evaluation generates answers with ``predict_with_generate=True``; ``HybridEngine
 calls to a fused inference copy refreshed once per evaluation from the current weights, and adds its timings
 (``hybrid/generate_ms``, ``hybrid/refresh_ms``, ``hybrid/tokens_per_s``, ...) to the Trainer's logs.
 
-Runs on CPU: python examples/finetune_generate_eval.py (37 s measured with ``time`` on 2026-11-25 on the project's
-2-core machine while other jobs held its load average at ~13; a quiet machine takes less).
+Runs on CPU: python examples/finetune_generate_eval.py (``time`` on the project's 2-core machine, 2026-11-25: 15 s
+with an empty torch compile cache at a load average of ~3.5, 21-37 s at 6-13 with other jobs running).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Quick start: load a model with an inference config, generate, and use DeepSpeed's init_inference.
 
 Runs on CPU as written: a tiny random Llama stands in for a real checkpoint (no download needed).
-Usage: python examples/quickstart.py (97 s measured with ``time`` on 2026-11-25 on the project's 2-core machine while
-other jobs held its load average at ~14, most of it compiling the CPU decode step on the first ``generate``).
+Usage: python examples/quickstart.py (``time`` on the project's 2-core machine, 2026-11-25: 22 s with an empty torch
+compile cache at a load average of ~4, 24-97 s at 6-14 with other jobs running; the first ``generate`` compiles the
+CPU decode step).
 """
 
 import tempfile

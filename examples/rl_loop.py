@@ -6,9 +6,8 @@ scores them with a toy reward (the share of generated tokens that are "digits", 
 step with group-normalized advantages on the training model. The mean reward climbs to 1; the engine's timings are
 printed at the end.
 
-Runs on CPU: python examples/rl_loop.py (122 s measured with ``time`` on 2026-11-25 on the project's 2-core machine
-while other jobs held its load average at ~16, most of it compiling the CPU decode step once; a quiet machine takes
-less).
+Runs on CPU: python examples/rl_loop.py (``time`` on the project's 2-core machine, 2026-11-25: 22 s with an empty
+torch compile cache at a load average of ~4, 19 s at ~7 with the cache filled, 122 s at ~16 with other jobs running).
 """
 
 from __future__ import annotations

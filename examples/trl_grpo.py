@@ -9,8 +9,8 @@ generates with hf_dsinfer's decoding loop. The engine's timings appear in the lo
 
 The callback also takes a DeepSpeed config with a ``hybrid_engine`` section (``config=...``), as shown below.
 
-Runs on CPU: python examples/trl_grpo.py (68 s measured with ``time`` on 2026-11-25 on the project's 2-core machine
-while other jobs held its load average at ~16; a quiet machine takes less).
+Runs on CPU: python examples/trl_grpo.py (``time`` on the project's 2-core machine, 2026-11-25: 29 s with an empty
+torch compile cache at a load average of ~3.5, 43-68 s at 7-16 with other jobs running).
 """
 
 from __future__ import annotations
