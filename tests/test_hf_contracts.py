@@ -146,3 +146,15 @@ def test_generate_batch_output_types(llama):
     _contract("GenerationOutput fields", all(hasattr(first, f) for f in ("prompt_ids", "generated_tokens", "status")))
     _contract("finished status", first.status == RequestStatus.FINISHED, repr(first.status))
     _contract("tokens generated", all(len(o.generated_tokens) == 3 for o in out.values()))
+
+
+def test_compile_config_can_compile_off_cuda():
+    """``hf-dsinfer bench``'s HF static+compile contender needs generate to compile on a CPU: CompileConfig's flag
+    for it (``hf_compat.compile_config_all_devices``) exists, and generate's auto-compile check reads it."""
+    from transformers import CompileConfig
+
+    cc = hf_compat.compile_config_all_devices(CompileConfig())
+    _contract("CompileConfig has the all-devices flag", getattr(cc, "_compile_all_devices", None) is True)
+    from transformers.generation import utils
+
+    _contract("generate's auto-compile reads the flag", "_compile_all_devices" in inspect.getsource(utils))
