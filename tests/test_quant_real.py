@@ -95,3 +95,20 @@ def test_asymmetric_int4_groups_of_32_on_the_q4_1_grid(smollm2):
         q, s, z = quantize_weight(w, spec)
         err = (dequantize_weight(q, s, z, spec, w.shape[1]) - w).reshape(groups.shape)  # [N, G, 32]
         assert (err.abs().amax(-1) / s).max() <= 0.5 + 1e-4  # half a step: the zero point's rounding
+
+
+def test_gptq_model_saves_and_reloads_identically(smollm2, tmp_path):
+    path, tokenizer = smollm2
+    quant = {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric",
+                                         "calibration": {"num_samples": 2, "seq_len": 64}}}  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config={"dtype": "fp32", "quant": quant})
+    ids = _chat_ids(tokenizer, CHAT_PROMPTS[1])["input_ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    model.save_pretrained(tmp_path)
+    del model
+    # the saved config holds the calibrated quant section: reloading reads the quantized tensors, no calibration
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, inference_config={"dtype": "fp32"})
+    assert "GPTQ" in again.config.quantization_config.quant_settings.describe()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids, use_cache=False).logits, want)
