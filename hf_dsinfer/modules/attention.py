@@ -153,7 +153,9 @@ class FusedAttention(nn.Module):
 
     Prefill (``T > 1``) writes the new keys/values with ``store_kv`` and runs ``prefill_attention``; a single-token
     step runs ``decode_attention`` (split-KV). The cache tensors are the layer's slice of the static cache.
-    Non-causal (encoder) attention uses no cache: ``encoder_attention`` over this step's keys only.
+    Non-causal (encoder) attention uses no cache: ``encoder_attention`` over this step's keys only. With a
+    :class:`PagedStepContext` (continuous batching, ``hf_dsinfer.serving``) the step is ragged and the cache paged:
+    ``store_paged_kv`` then ``paged_attention`` through the block tables.
     """
 
     def __init__(
