@@ -177,3 +177,37 @@ def test_grpo_shaped_rollouts_prefill_each_prompt_once():
     stats = last_batch_stats(he.module)
     assert stats.prompt_tokens == 4 * sum(map(len, unique))
     assert stats.prefill_tokens_computed == sum(map(len, unique)) + 4 * 3  # ~4x fewer than requested
+
+
+def test_manager_result_handlers_on_an_event_loop(pair):
+    """What transformers' ``serve --continuous-batching`` uses: per-request handlers called on its event loop, and
+    ``background_thread_status.fatal_error``."""
+    import asyncio
+
+    ref, opt = pair("llama")
+    prompt = prompts((6,), seed=9)[0]
+    cfg = config(eos_token_id=-1)
+    manager = opt.init_continuous_batching(generation_config=cfg)
+    manager.start()
+
+    async def serve_one():
+        loop = asyncio.get_running_loop()
+        finished, seen = loop.create_future(), []
+
+        def on_output(out):
+            assert asyncio.get_running_loop() is loop, "called on the registering loop"
+            seen.append(out)
+            if out.is_finished():
+                finished.set_result(out)
+
+        manager.register_result_handler("a", on_output)
+        manager.add_request(prompt, request_id="a", streaming=True, max_new_tokens=4)
+        return await asyncio.wait_for(finished, 60), seen
+
+    try:
+        out, seen = asyncio.run(serve_one())
+        assert manager.background_thread_status.fatal_error is None
+    finally:
+        manager.stop(block=True)
+    assert out.generated_tokens == alone(ref, prompt, config(eos_token_id=-1, max_new_tokens=4))
+    assert [len(o.generated_tokens) for o in seen] == [1, 2, 3, 4, 4] and manager.output_queue.empty()

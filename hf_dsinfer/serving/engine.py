@@ -390,6 +390,11 @@ class ServingEngine:
         with self._step_lock:
             self.scheduler.blocks.forget_cached()
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """The error that stopped the background thread (then every request failed), or None."""
+        return self._fatal
+
     # -- stats -------------------------------------------------------------------------------------------------------
 
     @property

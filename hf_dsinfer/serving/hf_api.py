@@ -16,11 +16,13 @@ Models the paged engine cannot serve exactly (:func:`~.runner.unsupported_reason
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import queue
+import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import MethodType
 from typing import Any
 
@@ -217,6 +219,17 @@ def generate_batch(
                               max_new_tokens)  # fmt: skip
 
 
+class _ThreadStatus:
+    """The part of transformers' ``BackgroundThreadStatus`` its serving code reads: ``fatal_error``."""
+
+    def __init__(self, engine: ServingEngine):
+        self._engine = engine
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self._engine.fatal_error
+
+
 class FusedContinuousBatchingManager:
     """transformers' ``ContinuousBatchingManager`` API (start / add_request / get_result / stop ...) on a
     :class:`ServingEngine` with its background thread. Made by ``model.init_continuous_batching()``."""
@@ -230,6 +243,10 @@ class FusedContinuousBatchingManager:
         self._counter = 0
         self.warmed_up = False
         self._handles: dict[str, RequestHandle] = {}
+        self._result_handlers: dict[str, tuple[Callable[[Any], None], asyncio.AbstractEventLoop]] = {}
+        self._lock = threading.Lock()
+        # transformers' serving code reads ``background_thread_status.fatal_error`` to tell a dead worker apart
+        self.background_thread_status = _ThreadStatus(engine)
 
     # -- control -------------------------------------------------------------------------------------------------
 
@@ -296,10 +313,10 @@ class FusedContinuousBatchingManager:
 
         def on_update(handle: RequestHandle, new: list[int], finished: bool) -> None:
             if finished:
-                self.output_queue.put(_output(handle))
+                self._deliver(_output(handle))
                 self._handles.pop(handle.request_id, None)
             elif streaming and new:
-                self.output_queue.put(_output(handle, RequestStatus.DECODING))
+                self._deliver(_output(handle, RequestStatus.DECODING))
 
         names = [request_id] + [f"{request_id}__child#{j}" for j in range(self.num_return_sequences - 1)]
         for name in names:
@@ -319,6 +336,26 @@ class FusedContinuousBatchingManager:
             self.add_request(ids, None, max_new_tokens, streaming, record_timestamps, **logit_processor_kwargs)
             for ids in inputs
         ]
+
+    def register_result_handler(self, request_id: str, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(output)`` on the calling thread's running asyncio loop for each output of ``request_id``
+        (every token when streaming, else once), instead of queueing it; dropped once the request finishes.
+        (transformers' ``serve --continuous-batching`` uses this.)"""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._result_handlers[request_id] = (callback, loop)
+
+    def _deliver(self, output: Any) -> None:
+        """To the request's registered handler (on its event loop), else to the output queue."""
+        with self._lock:
+            entry = self._result_handlers.get(output.request_id)
+            if entry is not None and output.is_finished():
+                del self._result_handlers[output.request_id]
+        if entry is None:
+            self.output_queue.put(output)
+        else:
+            callback, loop = entry
+            loop.call_soon_threadsafe(callback, output)
 
     def cancel_request(self, request_id: str) -> None:
         handle = self._handles.get(request_id)
