@@ -3,10 +3,10 @@ setting. The real-model quality bounds are in tests/test_quant_real.py."""
 
 import pytest
 import torch
+from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quantize_weight
 
 from hf_dsinfer.integration.quant_calibration import CALIBRATION_DEFAULTS, parse_calibration
 from hf_dsinfer.integration.quant_config import parse_quant, quantize_fused_layers_, quantize_slices
-from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quantize_weight
 
 SPECS = [QuantSpec(4, 64, False), QuantSpec(4, 64, True), QuantSpec(4, 100, False), QuantSpec(8, 256, True)]
 

@@ -192,3 +192,38 @@ def collect_hessians(
                        len(missing), missing[0])  # fmt: skip
     means = {first: sums[first] / counts[first] for first in set(owner.values())}
     return {name: means[first] for name, first in owner.items()}
+
+
+def damp_of(calibration: Mapping[str, Any] | None) -> float:
+    """GPTQ's dampening of a normalized calibration setting (unused without one)."""
+    return calibration["damp_percent"] if calibration is not None else CALIBRATION_DEFAULTS["damp_percent"]
+
+
+def refuse_calibration(calibration: Mapping[str, Any] | None, where: str) -> None:
+    """Raise, naming the key, when ``calibration`` is set for a path that cannot calibrate (``where``)."""
+    if calibration is not None:
+        raise ValueError(
+            f"quant.weight.calibration (GPTQ) is not supported {where}: it needs the whole float model in one process "
+            "for its calibration pass. Remove quant.weight.calibration (round to nearest) or quantize at "
+            "tensor_parallel.tp_size=1 in a plain from_pretrained / init_inference."
+        )
+
+
+def calibrate(
+    model: nn.Module, targets: list[tuple[str, nn.Module, Any]], calibration: Mapping[str, Any] | None
+) -> dict[str, torch.Tensor]:
+    """``{name: H}`` for ``targets`` (``(name, module, reduce)``, as ``quantize_model_`` lists them) with a
+    calibration setting: one forward pass over the calibration text. Empty without one. Row-parallel targets (a
+    ``reduce``) are refused: their input features are split over ranks."""
+    if calibration is None or not targets:
+        return {}
+    if any(reduce is not None for _, _, reduce in targets):
+        refuse_calibration(calibration, "with tensor parallelism")
+    import time
+
+    start = time.perf_counter()
+    batches = calibration_ids(model, calibration)
+    hessians = collect_hessians(model, [(n, m) for n, m, _ in targets], batches)
+    logger.info("quant calibration: %d sequences of up to %d tokens in %.1f s; quantizing %d linears with GPTQ",
+                len(batches), calibration["seq_len"], time.perf_counter() - start, len(targets))  # fmt: skip
+    return hessians

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..log import logger
+from .quant_calibration import calibrate, damp_of, refuse_calibration
 
 if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig); the model half imports lazily
     import torch
@@ -337,49 +338,17 @@ def quantize_model_(model: nn.Module, settings: QuantSettings) -> int:
         reduce = _row_parallel_reduce(module)
         if reduce is not None and "expert" not in name:
             targets.append((name, module, reduce))
-    hessians = _calibrate(model, targets, settings)
+    hessians = calibrate(model, targets, settings.calibration)
     for name, module, reduce in targets:
         w = module.weight
         if w.is_meta:
             raise ValueError(f"{name} has no weights yet (meta device); load the model before quantizing it.")
         q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, reduce,
-                                   hessians.pop(name, None), _damp(settings))  # fmt: skip
+                                   hessians.pop(name, None), damp_of(settings.calibration))  # fmt: skip
         set_submodule(model, name, q)
         module.weight = None if isinstance(module, nn.Linear) else module.weight  # drop our reference early
         count += 1
     return count
-
-
-def _damp(settings: QuantSettings) -> float:
-    return settings.calibration["damp_percent"] if settings.calibration is not None else 0.01
-
-
-def _refuse_calibration(settings: QuantSettings, where: str) -> None:
-    if settings.calibration is not None:
-        raise ValueError(
-            f"quant.weight.calibration (GPTQ) is not supported {where}: it needs the whole float model in one process "
-            "for its calibration pass. Remove quant.weight.calibration (round to nearest) or quantize at "
-            "tensor_parallel.tp_size=1 in a plain from_pretrained / init_inference."
-        )
-
-
-def _calibrate(model: nn.Module, targets: list[tuple[str, nn.Module, Any]], settings: QuantSettings) -> dict:
-    """``{name: H}`` for the targets of a calibrated ``settings`` (one forward pass over the calibration text), else
-    empty."""
-    if settings.calibration is None or not targets:
-        return {}
-    if any(reduce is not None for _, _, reduce in targets):
-        _refuse_calibration(settings, "with tensor parallelism")
-    import time
-
-    from .quant_calibration import calibration_ids, collect_hessians
-
-    start = time.perf_counter()
-    batches = calibration_ids(model, settings.calibration)
-    hessians = collect_hessians(model, [(n, m) for n, m, _ in targets], batches)
-    logger.info("quant calibration: %d sequences of up to %d tokens in %.1f s; quantizing %d linears with GPTQ",
-                len(batches), settings.calibration["seq_len"], time.perf_counter() - start, len(targets))  # fmt: skip
-    return hessians
 
 
 def quantize_loaded(module: nn.Module, settings: QuantSettings) -> QuantLinear:
@@ -438,7 +407,7 @@ def quantize_slices(settings: QuantSettings) -> Any:
 
     from ..modules.quant_linear import QuantLinear
 
-    _refuse_calibration(settings, "with tensor parallelism")
+    refuse_calibration(settings.calibration, "with tensor parallelism")
     state: dict[str, Any] = {"targets": None, "replaced": {}}
 
     def on_loaded(places: list[tuple[nn.Module, str]]) -> None:
@@ -485,7 +454,7 @@ def quantize_fused_layers_(layers: nn.ModuleList, settings: QuantSettings) -> in
     from ..modules.linear import Linear
     from ..modules.quant_linear import QuantLinear
 
-    _refuse_calibration(settings, "for the Hybrid Engine's inference copy (refreshed on every switch)")
+    refuse_calibration(settings.calibration, "for the Hybrid Engine's inference copy (refreshed on every switch)")
     count = 0
     for layer in layers:
         for path in _FUSED_LINEARS:
