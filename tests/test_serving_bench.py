@@ -10,7 +10,7 @@ import transformers
 from tiny_models import save_tiny
 
 import hf_dsinfer  # noqa: F401 - registers inference_config=
-from hf_dsinfer.serving.bench import arrivals, markdown, mixed_workload, run_manager, run_padded
+from hf_dsinfer.serving.bench import arrivals, markdown, mixed_workload, run_manager, run_padded, write_plot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,3 +41,6 @@ def test_contenders_answer_every_request(tmp_path):
               "rows": [{"workload": "mixed", "contender": "cb", "tokens_per_s": 1.0, "tokens_per_s_min": 1.0,
                         "tokens_per_s_max": 1.0, "ttft_p50_ms": 2.0, "ttft_p99_ms": 3.0}]}  # fmt: skip
     assert "| mixed | cb | 1.0 (1.0-1.0) | 2 / 3 |" in markdown(report)
+    pytest.importorskip("matplotlib")
+    write_plot(report, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").stat().st_size > 1000

@@ -215,6 +215,32 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plot(report: dict, path: str) -> None:
+    """A PNG of tokens/s per workload and contender (horizontal bars, min-max over the repeats as error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [f"{r['workload']}: {r['contender']}" for r in rows]
+    values = [r["tokens_per_s"] for r in rows]
+    err = [
+        [v - r["tokens_per_s_min"] for v, r in zip(values, rows)],
+        [r["tokens_per_s_max"] - v for v, r in zip(values, rows)],
+    ]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), values, xerr=err, capsize=3)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("generated tokens/s")
+    ax.set_title(f"{report['preset']} on {report['device']}, {report['threads']} threads", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hf_dsinfer.serving.bench", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny", help="a hf_dsinfer.bench preset (random weights)")
@@ -232,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
+    try:
+        write_plot(report, stem + ".png")
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
     print(text)
 
 
