@@ -41,6 +41,9 @@ Each row is one `config.model_type` that has a kernel-injection policy or is in 
   processes started): `AutoTP, fused` when the policy's fused layers then take each rank's shards, `AutoTP, HF
   modules` (with the reason) when injection keeps HF's split modules, `refused: ...` when AutoTP cannot split it
   (docs/tensor_parallel.md). Families on the generic path run HF's split modules with the static-cache attention.
+- **Continuous batching**: what `generate_batch` / `init_continuous_batching()` run on one process for a fused
+  decoder (docs/serving.md): `paged` (the paged KV cache with prefix sharing and chunked prefill), or `padded
+  batches` with the reason (one warning); `-` for encoders and families without a policy (transformers' own).
 - **Tested**: in the fidelity table (`tests/test_fidelity.py`, HF's eager model as the oracle).
 
 The Hybrid Engine (docs/hybrid.md) refreshes a fused inference copy in place for a fused decoder family; a model
@@ -52,7 +55,7 @@ A causal LM family not listed here takes the `generic` path when its HF class su
 """
 
 COLUMNS = ("model_type", "Path", "Policy", "Kind", "Positions", "Sliding window", "MoE", "Tensor parallel (tp_size=2)",
-           "Tested")  # fmt: skip
+           "Continuous batching", "Tested")  # fmt: skip
 
 
 def _meta_model(model_type: str) -> Any:
@@ -125,6 +128,12 @@ def family_row(model_type: str, policies: dict, tested: set) -> dict[str, str]:
     windows = sorted({a.sliding_window for a in attn if a.sliding_window})
     row["Sliding window"] = ", ".join(str(w) for w in windows) if windows else "-"
     row["MoE"] = "yes" if any(s.moe is not None for s in specs) else "-"
+    if not attn[0].causal:
+        row["Continuous batching"] = "-"
+    elif any(a.alibi_slopes for a in attn):
+        row["Continuous batching"] = "padded batches (ALiBi is not implemented over the paged cache)"
+    else:
+        row["Continuous batching"] = "paged"
     row["Tensor parallel (tp_size=2)"] = _autotp(model, policy)
     return row
 
