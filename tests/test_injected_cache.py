@@ -102,14 +102,18 @@ def test_crop_rolls_back_exactly(models):
 
 
 def test_assisted_decoding_and_prompt_lookup_equal_plain_greedy(models, tmp_path):
-    """The fused cache is croppable, so transformers' assisted decoding (a fused draft model) and prompt lookup run on
-    the injected model and give HF's plain greedy tokens."""
+    """The fused cache is croppable: assisted decoding (a fused draft on the fast loop, an HF draft on transformers'
+    assisted loop) and prompt lookup run on the injected model and give HF's plain greedy tokens."""
     ref, opt, path = models
     draft = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
     ids = torch.tensor([prompts()[2] * 2])  # repetitive: prompt lookup finds candidates
     want = _greedy(ref, ids, max_new_tokens=10)
     got = _greedy(opt, ids, max_new_tokens=10, assistant_model=draft)
     assert torch.equal(got, want)
-    assert last_generate_stats(opt).path == "hf"  # transformers' assisted loop on the fused forward
+    assert last_generate_stats(opt).path == "fast+draft"  # the fast loop verifies the fused draft's proposals
+    plain_draft = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got = _greedy(opt, ids, max_new_tokens=10, assistant_model=plain_draft)
+    assert torch.equal(got, want)
+    assert last_generate_stats(opt).path == "hf"  # an HF draft: transformers' assisted loop on the fused forward
     got = _greedy(opt, ids, max_new_tokens=10, prompt_lookup_num_tokens=3)
     assert torch.equal(got, want)

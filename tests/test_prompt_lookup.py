@@ -112,3 +112,19 @@ def test_requests_lookup_cannot_serve(models, case):
     torch.manual_seed(0)
     opt.generate(input_ids=ids, do_sample=True, max_new_tokens=4, prompt_lookup_num_tokens=3, pad_token_id=PAD)
     assert last_generate_stats(opt).path == "hf"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_draft_model_equals_plain_greedy(models, case, tmp_path, seed):
+    """assistant_model= a fused draft: the same weights (every proposal accepted) or other weights (most rejected)."""
+    ref, opt = models
+    ids, want = case
+    draft_path = save_tiny("llama", tmp_path / "draft", seed=seed)
+    draft = transformers.AutoModelForCausalLM.from_pretrained(draft_path, inference_config=INJECT).eval()
+    out = _greedy(opt, ids, assistant_model=draft, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    assert last_generate_stats(opt).path == "fast+draft"
+    assert hf_compat.output_cache(out).get_seq_length() == want.shape[1] - 1
+    eos = int(want[0, ids.shape[1] + 6])
+    assert torch.equal(_greedy(opt, ids, assistant_model=draft, eos_token_id=eos), _greedy(ref, ids, eos_token_id=eos))
+    assert torch.equal(_greedy(draft, ids), _greedy(draft, ids))  # the draft still generates on its own afterwards

@@ -133,6 +133,8 @@ def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[st
         return "no fused layers", gen_config
     for name in _HF_ONLY_ARGS:
         value = kwargs.get(name)
+        if name == "assistant_model" and value is not None and _fused_draft(self, value, kwargs, gen_config):
+            continue  # verified on the fast loop (generation/speculative.py)
         if value is not None and value is not False:
             return f"generate({name}=...)", gen_config
     for name in ("logits_processor", "stopping_criteria"):
@@ -142,6 +144,19 @@ def _route(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict[st
     if not width_ok:
         return "a call without input_ids", gen_config
     return fast_loop_blocker(gen_config), gen_config
+
+
+def _fused_draft(self: nn.Module, draft: Any, kwargs: dict[str, Any], gen_config: Any) -> bool:
+    """Whether ``assistant_model=draft`` can run on the fast loop: greedy, a separate fused model with its own static
+    cache, the same tokenizer (no ``assistant_tokenizer``) and no larger a vocabulary."""
+    state = getattr(draft, GEN_ATTR, None)
+    if draft is self or state is None or state.runtime is None or kwargs.get("assistant_tokenizer") is not None:
+        return False
+    if gen_config.do_sample or state.runtime is getattr(getattr(self, GEN_ATTR, None), "runtime", None):
+        return False
+    vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+    draft_vocab = getattr(draft.config.get_text_config(), "vocab_size", None)
+    return isinstance(vocab, int) and isinstance(draft_vocab, int) and draft_vocab <= vocab
 
 
 def _max_new_tokens(gen_config: Any, width: int) -> int:
@@ -228,11 +243,12 @@ def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict
     out = None
     if reason is None:
         token = CURRENT_CALL.set(call)
+        call.draft = kwargs.get("assistant_model")
         try:
             out = state.hf_generate(*args, custom_generate=decoding_loop, **_fast_kwargs(kwargs, gen_config))
         except FastLoopDeclined as declined:  # found once transformers built the processors; nothing was emitted
             reason = declined.reason
-            call.path, call.new_tokens = "hf", 0
+            call.path, call.new_tokens, call.draft = "hf", 0, None
         finally:
             CURRENT_CALL.reset(token)
     if reason is not None:
@@ -286,7 +302,8 @@ def _fast_kwargs(kwargs: dict[str, Any], gen_config: Any) -> dict[str, Any]:
     * transformers hands no ``tokenizer`` to a ``custom_generate`` callable, which its stop-string criterion needs: the
       loop gets that criterion built here instead (with ``stop_strings`` cleared so transformers does not build one).
     """
-    out = {k: v for k, v in kwargs.items() if k != "streamer"}
+    # the draft model is the call context's: transformers would otherwise prepare an assisted run of its own
+    out = {k: v for k, v in kwargs.items() if k not in ("streamer", "assistant_model")}
     stops = getattr(gen_config, "stop_strings", None)
     tokenizer = kwargs.get("tokenizer")
     if stops and tokenizer is not None:

@@ -43,6 +43,7 @@ class CallContext:
     path: str = "fast"
     new_tokens: int = 0
     batch: int = 0
+    draft: Any = None  # a fused assistant_model whose proposals the loop verifies (generation/speculative.py)
     notes: list[str] = field(default_factory=list)
 
 
@@ -109,7 +110,9 @@ def decoding_loop(
         raise FastLoopDeclined(plan)
     if streamer is not None:
         streamer.put(input_ids.cpu())  # what transformers' generate does before its loop (the call holds the streamer)
-    if lookup_applies(plan, input_ids.shape[0], generation_config):
+    if call.draft is not None and not lookup_applies(plan, input_ids.shape[0], generation_config, call.draft):
+        raise FastLoopDeclined("assisted decoding that the fast loop cannot verify exactly")
+    if lookup_applies(plan, input_ids.shape[0], generation_config, call.draft):
         return _lookup(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
     return _fast(self, call, plan, input_ids, generation_config, streamer, model_kwargs)
 
@@ -119,9 +122,9 @@ def _lookup(self, call: CallContext, plan: DecodePlan, input_ids, generation_con
     prompt_len = input_ids.shape[1]
     n_new = max(plan.max_length - prompt_len, 1)
     check_capacity(prompt_len, n_new, call.state.runtime.cache.max_tokens)
-    call.path = "fast+lookup"
+    call.path = "fast+draft" if call.draft is not None else "fast+lookup"
     sequences, handle, generated = prompt_lookup_loop(
-        self, call, plan, input_ids, generation_config, streamer, model_kwargs, n_new
+        self, call, plan, input_ids, generation_config, streamer, model_kwargs, n_new, draft=call.draft
     )
     call.batch, call.new_tokens = 1, generated
     if not generation_config.return_dict_in_generate:

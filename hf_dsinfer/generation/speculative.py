@@ -1,7 +1,9 @@
-"""Prompt-lookup speculative decoding on the fused layers (``generate(prompt_lookup_num_tokens=k)``, greedy).
+"""Speculative decoding on the fused layers, greedy: prompt lookup (``generate(prompt_lookup_num_tokens=k)``) and a
+fused draft model (``generate(assistant_model=draft)``).
 
-Each step proposes up to ``k`` tokens by matching the last n-gram of the sequence earlier in it (the prompt and the
-tokens generated so far), then verifies them in one forward of ``1 + k`` tokens over the static cache: the greedy
+Each step proposes up to ``k`` tokens, by matching the last n-gram of the sequence earlier in it (the prompt and the
+tokens generated so far) or by the draft model's greedy continuation (:class:`DraftProposer`, on the draft's own
+static cache), then verifies them in one forward of ``1 + k`` tokens over the static cache: the greedy
 token at every position is computed exactly as plain greedy would, the proposal's matching prefix is kept, and the
 cache is rolled back over the rest (``InjectedCache.crop``). The output is plain greedy's, token for token; only the
 number of forwards changes. Copy-heavy requests (edit, repeat or summarize a passage, code) accept several tokens per
@@ -22,11 +24,11 @@ from .. import hf_compat
 from .processors import DecodePlan, StepProcessor
 
 
-def lookup_applies(plan: DecodePlan, batch: int, generation_config: Any) -> bool:
-    """Whether :func:`prompt_lookup_loop` can serve this request exactly."""
+def lookup_applies(plan: DecodePlan, batch: int, generation_config: Any, draft: Any = None) -> bool:
+    """Whether :func:`prompt_lookup_loop` can serve this request exactly (with ``draft``'s proposals when given)."""
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     return (
-        bool(k)
+        (bool(k) or draft is not None)
         and batch == 1
         and not plan.do_sample
         and plan.repetition_penalty is None
@@ -49,6 +51,43 @@ def propose(seq: list[int], k: int, max_ngram: int) -> list[int]:
     return []
 
 
+class DraftProposer:
+    """Proposals from a fused draft model: its greedy continuation of the sequence, computed on its own static cache,
+    which is kept as a prefix of the sequence between steps (rolled back with ``crop`` after each verification)."""
+
+    def __init__(self, draft: Any, k: int):
+        self.draft, self.k = draft, k
+        self.handle: Any = None
+        self.start = 0  # sequence length when the last proposals were made
+        self.cached = 0  # tokens of the sequence the draft's cache holds
+
+    def _next(self, ids: list[int], device: torch.device) -> int:
+        kw = {} if self.handle is None else {hf_compat.cache_kwarg(): self.handle}  # none: a fresh sequence
+        out = self.draft(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
+                         return_dict=True, **kw)  # fmt: skip
+        self.handle = hf_compat.output_cache(out)
+        self.cached += len(ids)
+        return int(out.logits[0, -1].argmax())
+
+    def __call__(self, seq: list[int], k: int, device: torch.device) -> list[int]:
+        self.start = len(seq)
+        if k <= 0:
+            return []
+        cands = [self._next(seq[self.cached :], device)]  # catch up with the tokens the draft has not seen
+        while len(cands) < min(k, self.k):
+            cands.append(self._next(cands[-1:], device))
+        return cands
+
+    def accepted(self, n_cands: int, n_accepted: int) -> None:
+        """Keep the sequence before the proposals and the accepted proposals the draft has cached."""
+        if self.handle is None:
+            return
+        keep = self.start + min(n_accepted, max(n_cands - 1, 0))
+        if self.cached > keep:
+            self.handle.crop(-(self.cached - keep))
+            self.cached = keep
+
+
 def prompt_lookup_loop(
     model: Any,
     call: Any,
@@ -58,9 +97,16 @@ def prompt_lookup_loop(
     streamer: Any,
     model_kwargs: dict[str, Any],
     n_new: int,
+    draft: Any = None,
 ) -> tuple[torch.Tensor, Any, int]:
-    """Greedy decoding with prompt-lookup proposals; ``(sequences [1, P + N], cache handle, tokens generated)``."""
-    k_max = int(generation_config.prompt_lookup_num_tokens)
+    """Greedy decoding with prompt-lookup (or ``draft``) proposals; ``(sequences [1, P + N], cache handle, tokens
+    generated)``."""
+    if draft is not None:
+        k_max = int(getattr(generation_config, "num_assistant_tokens", None) or 5)
+        proposer: Any = DraftProposer(draft, k_max)
+    else:
+        k_max = int(generation_config.prompt_lookup_num_tokens)
+        proposer = None
     max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or 2)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -84,7 +130,8 @@ def prompt_lookup_loop(
         if _stops(plan, seq, tok, eos, generated, n_new, device):
             break
         # propose, then verify [tok, c_1..c_k] in one forward: logits j give the greedy token after c_j
-        cands = propose(seq, min(k_max, n_new - generated - 1), max_ngram)
+        room = min(k_max, n_new - generated - 1)
+        cands = proposer(seq, room, device) if proposer is not None else propose(seq, room, max_ngram)
         feed = torch.tensor([[tok, *cands]], device=device)  # [1, 1 + k]
         pos = torch.arange(feed.shape[1], device=device)[None] + (start + generated - 1)
         logits = model(input_ids=feed, position_ids=pos, use_cache=True, return_dict=True,
@@ -94,6 +141,8 @@ def prompt_lookup_loop(
         while accepted < len(cands) and picks[accepted] == cands[accepted]:
             accepted += 1
         handle.crop(-(len(cands) - accepted))  # drop the cache entries of the rejected proposals
+        if proposer is not None:
+            proposer.accepted(len(cands), accepted)
         for j in range(accepted):  # the accepted proposals are greedy's tokens; emit them one by one (stop checks)
             seq.append(cands[j])
             generated += 1
