@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import transformers
-from tiny_models import ARCHITECTURES, PAD, left_pad, prompts, save_tiny
+from tiny_models import ARCHITECTURES, PAD, left_pad, load_pair, prompts, save_tiny
 
 import hf_dsinfer
 from hf_dsinfer.generation import last_generate_stats
@@ -30,10 +30,7 @@ def pair(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            path = save_tiny(name, tmp_path_factory.mktemp(name))
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
-            cache[name] = (ref, opt, path)
+            cache[name] = load_pair(name, tmp_path_factory.mktemp(name), INJECT)
         return cache[name]
 
     return get

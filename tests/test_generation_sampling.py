@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_models import PAD, VOCAB, left_pad, prompts, save_tiny
+from tiny_models import PAD, VOCAB, left_pad, load_pair, prompts
 from transformers import GenerationConfig, LogitsProcessorList
 
 from hf_dsinfer.generation import last_generate_stats
@@ -21,9 +21,7 @@ INJECT = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens":
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    path = save_tiny("llama", tmp_path_factory.mktemp("llama"))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
+    ref, opt, _ = load_pair("llama", tmp_path_factory.mktemp("llama"), INJECT)
     return ref, opt
 
 

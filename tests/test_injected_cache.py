@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_models import PAD, left_pad, prompts, save_tiny
+from tiny_models import PAD, left_pad, load_pair, prompts
 from transformers.cache_utils import Cache
 
 from hf_dsinfer import hf_compat
@@ -27,10 +27,7 @@ def test_every_cache_member_is_decided_on():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    path = save_tiny("llama", tmp_path_factory.mktemp("llama"))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
-    return ref, opt, path
+    return load_pair("llama", tmp_path_factory.mktemp("llama"), INJECT)
 
 
 def _greedy(model, ids, **kw):

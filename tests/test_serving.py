@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import transformers
-from tiny_models import ARCHITECTURES, PAD, prompts, save_tiny
+from tiny_models import ARCHITECTURES, PAD, load_pair, prompts
 
 import hf_dsinfer  # noqa: F401 - registers inference_config=
 from hf_dsinfer.policies import POLICIES
@@ -31,9 +31,7 @@ def pair(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            path = save_tiny(name, tmp_path_factory.mktemp(name))
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
+            ref, opt, _ = load_pair(name, tmp_path_factory.mktemp(name), INJECT)
             cache[name] = (ref, opt)
         return cache[name]
 

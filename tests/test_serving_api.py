@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 import transformers
-from tiny_models import PAD, build_tiny, prompts, save_tiny
+from tiny_models import PAD, build_tiny, load_pair, prompts
 from transformers.generation.continuous_batching import RequestStatus
 
 import hf_dsinfer  # noqa: F401 - registers inference_config=
@@ -27,9 +27,7 @@ def pair(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            path = save_tiny(name, tmp_path_factory.mktemp(name))
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=INJECT).eval()
+            ref, opt, _ = load_pair(name, tmp_path_factory.mktemp(name), INJECT)
             cache[name] = (ref, opt)
         return cache[name]
 

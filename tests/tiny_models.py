@@ -220,6 +220,15 @@ def save_tiny(name: str, directory: str | os.PathLike, seed: int = 0, **override
     return path
 
 
+def load_pair(name: str, directory: str | os.PathLike, inference_config: dict[str, Any]) -> tuple[Any, Any, str]:
+    """Save causal-LM row ``name`` to ``directory`` and load it twice: HF's eager model in fp32 (the oracle) and with
+    ``inference_config``. Returns ``(hf_model, injected_model, path)``."""
+    path = save_tiny(name, directory)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    opt = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=inference_config).eval()
+    return ref, opt, path
+
+
 def prompts(lengths=(5, 9, 3), seed: int = 0) -> list[list[int]]:
     """Random prompts of the given lengths, token ids in [3, VOCAB) (no special tokens)."""
     g = torch.Generator().manual_seed(seed)
