@@ -104,3 +104,24 @@ def _random_run(seed: int) -> int:
             assert len(s.handle.tokens) == s.params.max_new_tokens
     assert bm.num_available == bm.num_blocks and not sched.pending
     return preempted
+
+
+def test_release_idle_openmp_workers_keeps_torch_working():
+    """The starting thread's OpenMP team is released (GNU OpenMP with several threads) or left alone (one thread,
+    another device, another runtime); torch ops of that thread work afterwards either way (a new team)."""
+    import torch
+
+    from hf_dsinfer.serving.omp import release_idle_openmp_workers
+
+    before = torch.get_num_threads()
+    x = torch.randn(64, 64)
+    expected = x @ x
+    try:
+        torch.set_num_threads(1)
+        assert release_idle_openmp_workers("cpu") is False, "one thread: no team to release"
+        torch.set_num_threads(2)
+        assert release_idle_openmp_workers("meta") is False, "only the CPU's workers matter"
+        assert isinstance(release_idle_openmp_workers("cpu"), bool)
+        torch.testing.assert_close(x @ x, expected)
+    finally:
+        torch.set_num_threads(before)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..log import logger
+from .omp import release_idle_openmp_workers
 from .requests import SamplingParams, Sequence
 from .runner import PagedRunner
 from .scheduler import Scheduler
@@ -335,6 +336,9 @@ class ServingEngine:
                 return self
             self._thread.join()  # a stop() that did not wait for its thread: let that thread end first
         self._stopping = False
+        # From now on the stepping thread runs the model; this thread's idle OpenMP team would make GNU OpenMP
+        # stop spin-waiting in the stepping thread's team (more workers than CPUs): see .omp.
+        release_idle_openmp_workers(self.model.get_output_embeddings().weight.device)
         self._thread = threading.Thread(target=self._loop, name="hf_dsinfer-serving", daemon=True)
         self._thread.start()
         return self
