@@ -13,7 +13,8 @@ tokens whose KV is already shared) are skipped.
 
 On CUDA ``paged_attention`` runs a split-KV decode kernel when every sequence has exactly one new token
 (``T == S``) and a varlen flash-attention kernel otherwise; neither syncs with the host. Elsewhere the torch path
-batches the one-token sequences into one SDPA call and runs each longer chunk on its own.
+batches the one-token sequences into a few SDPA calls (groups of similar length) and runs each longer chunk on
+its own.
 """
 
 from __future__ import annotations
@@ -234,11 +235,11 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Plain-torch :func:`paged_attention`: the CPU production path.
 
-    Syncs once on the lengths. The one-token sequences (decode) run as one batched SDPA over their gathered blocks;
-    every longer chunk (prefill) runs on its own, so no padding to the longest chunk is computed. fp32 without a
-    softcap uses torch's SDPA; half precision and softcap take the explicit fp32 scores of
-    :func:`masked_attention_torch` (half-precision SDPA on CPU rounds between its blocks, so a sequence's result
-    would depend on what it is batched with).
+    Syncs once on the lengths. The one-token sequences (decode) run as batched SDPAs over their gathered blocks, in
+    groups of similar length (:func:`_decode_groups`); every longer chunk (prefill) runs on its own, so no padding to
+    the longest chunk is computed. fp32 without a softcap uses torch's SDPA; half precision and softcap take the
+    explicit fp32 scores of :func:`masked_attention_torch` (half-precision SDPA on CPU rounds between its blocks, so
+    a sequence's result would depend on what it is batched with).
     """
     check_paged_args(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, sliding_window, softcap, strict_strides=False
@@ -250,12 +251,12 @@ def paged_attention_torch(
     n_q, lens = _check_lengths(q, block_tables, cu_seqlens_q, seq_lens_k, k_cache.shape[1])
     starts = cu_seqlens_q.tolist()
     decode = [s for s, n in enumerate(n_q) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
-        rows = cu_seqlens_q[idx].long()  # [Sd] the query row of each one-token sequence
-        sub_lens = seq_lens_k[idx]
+    key_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one key of one layer
+    for group in _decode_groups(decode, lens, k_cache.shape[1], key_bytes):
+        idx = torch.tensor(group, device=q.device)
+        rows = cu_seqlens_q[idx].long()  # [Sg] the query row of each one-token sequence
         out[rows] = _attend(
-            q[rows][:, None], k_cache, v_cache, block_tables[idx], sub_lens, max(lens[s] for s in decode),
+            q[rows][:, None], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], lens[group[-1]],
             scale, softcap, sliding_window,
         )[:, 0]  # fmt: skip
     for s, n in enumerate(n_q):
@@ -267,6 +268,30 @@ def paged_attention_torch(
             scale, softcap, sliding_window,
         )[0]  # fmt: skip
     return out
+
+
+#: Bytes of gathered keys (as many of values) one batched decode attention reads at most, unless one sequence
+#: alone needs more; see :func:`_decode_groups`.
+DECODE_GROUP_BYTES = 2 << 20
+
+
+def _decode_groups(decode: list[int], lens: list[int], block_size: int, key_bytes: int) -> list[list[int]]:
+    """The one-token sequences ``decode`` in groups for one batched attention each, shortest first.
+
+    A group gathers its sequences' keys and values padded to its longest sequence, so grouping sequences of similar
+    length pads less, and a group whose gathered keys fit :data:`DECODE_GROUP_BYTES` is still in the CPU's cache
+    when the attention reads it. 58 sequences of 40-384 keys (tiny preset's heads, one thread, 2026-11-25) took
+    5.1-7.1 ms as one group (11 MB of gathered keys) and 1.7 ms in groups of 2 MiB (1 MiB: 1.9 ms, 4 MiB: 1.9-2.2 ms);
+    before grouping, an engine step of 58 decode tokens spent most of its time here.
+    """
+    groups: list[list[int]] = []
+    for s in sorted(decode, key=lens.__getitem__):
+        padded = -(-lens[s] // block_size) * block_size * key_bytes  # this one's keys; the longest so far
+        if groups and (len(groups[-1]) + 1) * padded <= DECODE_GROUP_BYTES:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
 def _attend(

@@ -237,3 +237,30 @@ def test_serving_engine_on_triton_kernels_equals_hf_alone(name, tmp_path, monkey
         want = ref.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)[0, len(prompt) :]
         assert handle.tokens == want.tolist(), f"{name}: request {handle.request_id}"
     assert calls["decode"] > 0 and calls["varlen"] > 0, calls
+
+
+def test_decode_groups_cover_each_sequence_once_shortest_first():
+    from hf_dsinfer.kernels.paged_attention import DECODE_GROUP_BYTES, _decode_groups
+
+    lens = [300, 5, 40, 17, 1, 160, 33]
+    decode = [0, 1, 2, 4, 5, 6]  # sequence 3 is a prefill chunk
+    key_bytes = DECODE_GROUP_BYTES // 200  # room for 200 padded keys per group
+    groups = _decode_groups(decode, lens, 16, key_bytes)
+    flat = [s for g in groups for s in g]
+    assert flat == sorted(decode, key=lens.__getitem__), "each once, shortest first"
+    for g in groups:  # a group fits the budget, padded to its longest (last) sequence, or holds one sequence
+        assert len(g) == 1 or len(g) * -(-lens[g[-1]] // 16) * 16 * key_bytes <= DECODE_GROUP_BYTES
+    assert [len(g) for g in groups] == [4, 1, 1]
+    assert len(_decode_groups(decode, lens, 16, 1)) == 1, "all fit: one group"
+
+
+@pytest.mark.parametrize("budget", [1, 3000, 1 << 40])
+def test_paged_torch_decode_groups_match_reference(budget, monkeypatch):
+    """However the one-token sequences are grouped (one each, a few, all in one), the torch path equals the oracle."""
+    import hf_dsinfer.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_GROUP_BYTES", budget)
+    seqs = [(1, 70), (1, 3), (9, 40), (1, 33), (1, 16), (1, 120), (1, 1)]
+    q, kc, vc, bt, cu, lens, _ = make_batch(4, 2, 32, 16, seqs, torch.float32, "cpu")
+    ref = paged_attention_reference(q, kc, vc, bt, cu, lens, 32**-0.5)
+    assert_close(paged_attention_torch(q, kc, vc, bt, cu, lens, 32**-0.5), ref, ATTENTION_TOL)
