@@ -188,15 +188,25 @@ def store_paged_kv_torch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch :func:`store_paged_kv` (syncs once to drop negative slots and check the bounds)."""
+    """Plain-torch :func:`store_paged_kv` (syncs once to check the bounds)."""
     _check_store_args(k, v, k_cache, v_cache, slot_mapping, strict_strides=False)
     NB, BS = k_cache.shape[0], k_cache.shape[1]
+    if slot_mapping.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(slot_mapping)).tolist()  # the one host sync
+    if hi >= NB * BS:
+        raise ValueError(f"slot_mapping holds slot {hi} but the cache has {NB} blocks of {BS} slots")
+    if lo >= 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # Every token is stored (the serving engine's steps): one index_copy_ per pool into its [NB * BS] slots
+        # took 20 / 38 us for 58 / 256 tokens against 30 / 70 us for the masked advanced-indexing write below.
+        slots = slot_mapping.long()
+        k_cache.view(NB * BS, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(NB * BS, *v_cache.shape[2:]).index_copy_(0, slots, v)
+        return
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()  # [T'] (boolean indexing: the one host sync)
+    slots = slot_mapping[keep].long()  # [T']
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= NB * BS:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())} but the cache has {NB} blocks of {BS} slots")
     block, offset = slots // BS, slots % BS
     # Advanced indexing on (block, offset) writes through any strides (a view of a larger pool is fine).
     k_cache[block, offset] = k[keep]
@@ -245,7 +255,7 @@ def paged_attention_torch(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, sliding_window, softcap, strict_strides=False
     )
     T, H, D = q.shape
-    out = torch.zeros((T, H, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # every row is written: each sequence has >= 1
     if T == 0:
         return out
     n_q, lens = _check_lengths(q, block_tables, cu_seqlens_q, seq_lens_k, k_cache.shape[1])

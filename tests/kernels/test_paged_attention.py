@@ -139,6 +139,20 @@ def test_store_paged_kv_triton_matches_torch(dtype, device):
     assert int((caches[0].abs().sum(dim=(-1, -2)) != 0).sum()) == 5  # the two negative slots wrote nothing
 
 
+def test_store_paged_kv_torch_all_slots_kept():
+    """No negative slot (the engine's steps take the index_copy_ path): strided k/v land in their slots only."""
+    T, H, KVH, D, NB, BS = 9, 4, 2, 8, 4, 4
+    qkv = torch.randn(T, H + 2 * KVH, D)
+    k, v = qkv[:, H : H + KVH], qkv[:, H + KVH :]
+    slots = torch.tensor([15, 0, 7, 4, 12, 1, 9, 3, 10])
+    kc, vc = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
+    store_paged_kv_torch(k, v, kc, vc, slots)
+    want_k, want_v = torch.zeros(NB * BS, KVH, D), torch.zeros(NB * BS, KVH, D)
+    for t, slot in enumerate(slots.tolist()):
+        want_k[slot], want_v[slot] = k[t], v[t]
+    assert torch.equal(kc.view(NB * BS, KVH, D), want_k) and torch.equal(vc.view(NB * BS, KVH, D), want_v)
+
+
 def test_store_paged_kv_torch_rejects_out_of_range_slot(device):
     k = torch.zeros(2, 1, 16, device=device)
     kc = torch.zeros(2, 4, 1, 16, device=device)
