@@ -41,6 +41,9 @@ QUANTS: dict[str, dict[str, Any] | None] = {
     "int4": {"enabled": True, "weight": {"num_bits": 4}},
     "int4-asym": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric"}},
     "int4-gptq": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "calibration": "gptq"}},
+    # issue 27's exactness check: the Q4_1 checkpoint's own grid (groups of 32, exact min/max)
+    "int4-g32-float-zero": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
+                                                        "zero_point": "float"}},  # fmt: skip
 }
 
 

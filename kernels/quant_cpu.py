@@ -174,6 +174,8 @@ def supported_kinds(spec: QuantSpec, in_features: int) -> tuple[str, ...]:
     """The kinds :func:`pack_for_cpu` can build for ``spec`` (``dequant`` always)."""
     spec = spec.for_features(in_features)
     kinds = ["fp16gemm", "fp16gemm_exact"] if fbgemm_available() else []
+    if spec.float_zero:  # fractional q - z: fp16gemm_exact's integers do not exist (fp16gemm rounds, exact=False)
+        kinds = kinds[:1]
     if spec.num_bits == 8 and spec.symmetric and spec.n_groups(in_features) == 1:
         kinds.append("int8pack")
     if spec.num_bits == 4 and _int4_group(spec, in_features) is not None:
@@ -194,7 +196,8 @@ def default_kind(spec: QuantSpec, in_features: int, compute_dtype: torch.dtype =
     if compute_dtype == torch.bfloat16:
         return next(k for k in kinds if not k.startswith("fp16gemm"))
     per_channel = spec.for_features(in_features).n_groups(in_features) == 1
-    return "fp16gemm" if per_channel and "fp16gemm" in kinds else "dequant"
+    exact_fp16 = not spec.float_zero  # a fractional zero point makes q - z inexact in fp16
+    return "fp16gemm" if per_channel and exact_fp16 and "fp16gemm" in kinds else "dequant"
 
 
 def pack_for_cpu(
@@ -247,7 +250,7 @@ def _pack(
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
             q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        exact = True
+        exact = torch.equal(q.half().float(), q)  # q - z: integers, unless the zero point is fractional
         if kind == "fp16gemm" and groups > 1:  # the dequantized weight in fp16: exact where it fits (int4 scales of
             q, post, mask = q * scales.float()[:, col_group], None, None  # quantize_weight do), else rounded once
             exact = torch.equal(q.half().float(), q)

@@ -106,7 +106,9 @@ def _quant_gemm_kernel(
             s = tl.load(s_rows + g, mask=col_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
             if ASYM:
                 z = tl.load(z_rows + g, mask=col_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
-                qz = q.to(tl.float32) - z[:, None]  # integers in [-255, 255]: exact in every activation dtype
+                # integers in [-255, 255]: exact in every activation dtype (a float zero point's fractions are
+                # rounded to it, as every weight is on the unaligned path below)
+                qz = q.to(tl.float32) - z[:, None]
             elif INT4:
                 qz = q.to(tl.float32) - 8.0  # [-8, 7]
             else:

@@ -3,6 +3,7 @@ setting. The real-model quality bounds are in tests/test_quant_real.py."""
 
 import pytest
 import torch
+from hf_dsinfer.kernels import quant_format as qf
 from hf_dsinfer.kernels.quant_format import QuantSpec, dequantize_weight, quantize_weight
 
 from hf_dsinfer.integration.quant_calibration import CALIBRATION_DEFAULTS, parse_calibration
@@ -25,12 +26,37 @@ def _output_error(q, spec, w, x) -> float:
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_gptq_with_identity_hessian_is_round_to_nearest(spec):
+def test_gptq_with_identity_hessian_rounds_to_nearest_on_its_ranges(spec):
+    # H = I: no column's error moves another, so every weight is rounded to nearest against the group ranges GPTQ
+    # fixed up front (its clipping search, weighted by diag(H) = 1)
     w, _, _ = _problem()
-    rtn = quantize_weight(w, spec)
-    gptq = quantize_weight(w, spec, hessian=torch.eye(w.shape[1]), damp=0.0)
-    for a, b in zip(rtn, gptq):
-        assert (a is None and b is None) or torch.equal(a, b)
+    qw, scale, zero = quantize_weight(w, spec, hessian=torch.eye(w.shape[1]), damp=0.0)
+    g = qf._grouped(w, spec.group_size)
+    ones = torch.ones(1, w.shape[1])  # diag(H), the ragged last group's padding columns weighing nothing
+    importance = qf._grouped(torch.cat([ones, torch.zeros(1, -w.shape[1] % spec.group_size)], 1), spec.group_size)
+    s, z = qf._clipped_group_params(g, spec, torch.float32, importance)
+    codes = qf._codes(g, s, z, spec).reshape(w.shape[0], -1)[:, : w.shape[1]]
+    assert torch.equal(scale, s) and (zero is None or torch.equal(zero, z))
+    assert torch.equal(qw, qf._pack(codes, spec))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_clipping_search_never_loses_to_min_max(spec):
+    w, _, _ = _problem(3)
+    w[:, 5] *= 6.0  # an outlier column: clipping it buys a finer step for the rest of its group
+    g = qf._grouped(w, spec.group_size)
+    importance = torch.rand(g.shape, generator=torch.Generator().manual_seed(0))
+
+    def err(s, z):
+        return ((qf._decoded(qf._codes(g, s, z, spec), s, z, spec) - g) ** 2 * importance).sum(-1)  # [N, G]
+
+    plain = err(*qf._group_params(g, spec, torch.float32))
+    clipped_s, clipped_z = qf._clipped_group_params(g, spec, torch.float32, importance)
+    clipped = err(clipped_s, clipped_z)
+    assert (clipped <= plain).all()
+    if spec.num_bits == 4:  # 16 levels: the outlier's group clips in most rows (int8's 255 rarely need to)
+        assert (clipped[:, 0] < plain[:, 0]).float().mean() > 0.5
+    assert (clipped_s <= qf._group_params(g, spec, torch.float32)[0]).all()  # ranges only ever shrink
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)

@@ -11,7 +11,7 @@ Setting (our own key; DeepSpeed's schema has none; the option names follow trans
     quant={"enabled": True, "weight": {"num_bits": 4, "calibration": {
         "method": "gptq",          # the only method
         "dataset": None,           # None: built-in text; a path to a UTF-8 text file; or a list of strings
-        "num_samples": 16,         # sequences of ...
+        "num_samples": 32,         # sequences of ...
         "seq_len": 256,            # ... tokens each, cut from the tokenized text (fewer if the text is shorter)
         "damp_percent": 0.01}}}    # GPTQ's dampening: this fraction of the mean diagonal is added to H
     # shorthand: "calibration": "gptq" (or True) for all the defaults
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 CALIBRATION_DEFAULTS: dict[str, Any] = {
     "method": "gptq",
     "dataset": None,
-    "num_samples": 16,
+    "num_samples": 32,
     "seq_len": 256,
     "damp_percent": 0.01,
 }
@@ -147,6 +147,17 @@ def calibration_ids(model: nn.Module, calibration: Mapping[str, Any]) -> list[to
     return [s[None].to(device) for s in seqs[:n]]
 
 
+def _stacked(batches: list[torch.Tensor], rows: int = 8) -> list[torch.Tensor]:
+    """``batches`` (``[1, T]`` each) stacked into ``[<= rows, T]`` batches of equal length: fewer, larger forwards
+    (no padding, so every token's activations are what a single sequence gives)."""
+    import torch
+
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for ids in batches:
+        by_len.setdefault(ids.shape[1], []).append(ids)
+    return [torch.cat(same[i : i + rows]) for same in by_len.values() for i in range(0, len(same), rows)]
+
+
 def collect_hessians(
     model: nn.Module, targets: list[tuple[str, nn.Module]], batches: list[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -180,7 +191,7 @@ def collect_hessians(
     handles = [module.register_forward_hook(hook(name)) for name, module in targets]
     try:
         with torch.no_grad():
-            for ids in batches:
+            for ids in _stacked(batches):
                 seen.clear()
                 model(input_ids=ids, use_cache=False)
     finally:

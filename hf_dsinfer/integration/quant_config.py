@@ -41,8 +41,9 @@ if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig)
 
 INT4_DEFAULT_GROUP = 128
 _TOP_KEYS = ("enabled", "weight", "activation", "qkv")
-_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "lm_head", "calibration",
+_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "zero_point", "lm_head", "calibration",
                 "quantized_initialization", "post_init_quant")  # fmt: skip
+_ZERO_POINTS = ("integer", "float")
 _Q_TYPES = {"symmetric": True, "asymmetric": False}
 # DeepSpeed's ``quant.activation`` / ``quant.qkv`` sections and their defaults (DeepSpeed 0.16.5). DeepSpeed fills them
 # in (enabled=True) but its engine never reads them; a section holding only these values is accepted with one info
@@ -79,6 +80,7 @@ class QuantSettings:
     q_groups: int | None = None
     lm_head: bool = False
     calibration: dict[str, Any] | None = None
+    float_zero: bool = False  # quant.weight.zero_point="float" (asymmetric only)
 
     def spec_for(self, in_features: int) -> QuantSpec:
         """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row)."""
@@ -88,7 +90,7 @@ class QuantSettings:
             group = min(self.group_size, in_features)
         else:
             group = -(-in_features // self.q_groups)  # ceil: G groups per row, the last may be shorter
-        return QuantSpec(self.num_bits, max(group, 1), self.symmetric)
+        return QuantSpec(self.num_bits, max(group, 1), self.symmetric, self.float_zero)
 
     def to_dict(self) -> dict[str, Any]:
         """The normalized ``quant`` section (JSON-serializable, DeepSpeed's layout)."""
@@ -97,6 +99,8 @@ class QuantSettings:
             "q_type": "symmetric" if self.symmetric else "asymmetric",
             "lm_head": self.lm_head,
         }
+        if self.float_zero:
+            weight["zero_point"] = "float"
         if self.group_size is not None:
             weight["group_size"] = self.group_size
         else:
@@ -107,7 +111,7 @@ class QuantSettings:
 
     def describe(self) -> str:
         """Short human description, e.g. ``int4 asymmetric, groups of 128``."""
-        kind = "symmetric" if self.symmetric else "asymmetric"
+        kind = "symmetric" if self.symmetric else "asymmetric" + (" (float zero point)" if self.float_zero else "")
         groups = (
             f"groups of {self.group_size}"
             if self.group_size is not None
@@ -152,6 +156,14 @@ def parse_quant(value: Any) -> QuantSettings | None:
     q_type = weight.get("q_type", "symmetric")
     if q_type not in _Q_TYPES:
         raise ValueError(f"quant.weight.q_type must be 'symmetric' or 'asymmetric', got {q_type!r}.")
+    zero_point = weight.get("zero_point", "integer")
+    if zero_point not in _ZERO_POINTS:
+        raise ValueError(f"quant.weight.zero_point must be 'integer' or 'float', got {zero_point!r}.")
+    if zero_point == "float" and q_type != "asymmetric":
+        raise ValueError(
+            "quant.weight.zero_point='float' needs quant.weight.q_type='asymmetric' (a symmetric grid has no zero "
+            "point); set q_type='asymmetric' or drop zero_point."
+        )
     lm_head = weight.get("lm_head", False)
     if not isinstance(lm_head, bool):
         raise ValueError(f"quant.weight.lm_head must be True or False, got {lm_head!r}.")
@@ -178,7 +190,7 @@ def parse_quant(value: Any) -> QuantSettings | None:
     from .quant_calibration import parse_calibration
 
     calibration = parse_calibration(weight.get("calibration"))
-    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head, calibration)
+    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head, calibration, zero_point == "float")
 
 
 def _check_unread_section(sub: Any, key: str, defaults: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@
 Its state is three buffers with fixed names, so ``state_dict`` keys say what they are:
 
 * ``weight``: the quantized weight ``[N, K]`` int8, or ``[N, ceil(K / 2)]`` uint8 (int4, two per byte);
-* ``weight_scales`` ``[N, n_groups]`` and, asymmetric only, ``weight_zeros`` ``[N, n_groups]`` (activation dtype).
+* ``weight_scales`` ``[N, n_groups]`` and, asymmetric only, ``weight_zeros`` ``[N, n_groups]`` (activation dtype;
+  fp32 with ``spec.float_zero``).
 
 Everything is row-wise, so packing q/k/v or gate/up is a ``torch.cat`` of the three along rows, and slicing rows
 (column-parallel TP) slices them alike. The matmul goes through one function, :func:`quant_matmul`, which picks the
@@ -150,7 +151,8 @@ class QuantLinear(nn.Module):
         else:
             weight = torch.empty(out_features, in_features, dtype=dtype, device=meta)
         scales = torch.empty(out_features, groups, dtype=dtype, device=meta)
-        zeros = None if spec.symmetric else torch.empty(out_features, groups, dtype=dtype, device=meta)
+        zdtype = torch.float32 if spec.float_zero else dtype  # fractional zero points are stored in fp32
+        zeros = None if spec.symmetric else torch.empty(out_features, groups, dtype=zdtype, device=meta)
         b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=meta), requires_grad=False) if bias else None
         return cls(in_features, out_features, spec, weight, scales, zeros, b)
 
@@ -235,7 +237,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        kind = "sym" if s.symmetric else "asym"
+        kind = "sym" if s.symmetric else ("asym float-zero" if s.float_zero else "asym")
         tp = ", row_parallel=True" if self.reduce is not None else ""
         return (f"in={self.in_features}, out={self.out_features}, int{s.num_bits} {kind} group={s.group_size}, "
                 f"bias={self.bias is not None}{tp}")  # fmt: skip

@@ -22,7 +22,8 @@ QUANT_TOL = {
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
 }
 
-# (M, N, K, bits, group_size (None: per channel), symmetric, bias, dtype, splits (None: the launcher's choice))
+# (M, N, K, bits, group_size (None: per channel), symmetric (or "float": asymmetric with a fractional zero point,
+# whose q - z the aligned path rounds to the activation dtype), bias, dtype, splits (None: the launcher's choice))
 CASES = [
     (1, 40, 72, 8, None, True, False, torch.float32, None),  # int8 per channel, decode
     (3, 24, 67, 4, 32, True, True, torch.float32, None),  # int4, odd K, ragged last group (67 = 2 * 32 + 3)
@@ -32,12 +33,16 @@ CASES = [
     (17, 20, 90, 8, 40, True, True, torch.float16, None),  # group 40: per-element scales (no aligned K tile)
     (1, 48, 129, 4, None, False, False, torch.float32, 3),  # int4 per channel asymmetric, odd K, split
     (3, 17, 160, 8, 128, False, True, torch.bfloat16, None),  # int8 asymmetric g128, ragged (160 = 128 + 32)
+    (3, 24, 96, 4, 32, "float", True, torch.float32, None),  # float zero point, aligned groups
+    (17, 20, 100, 4, 64, "float", False, torch.bfloat16, None),  # float zero, prefill tile, ragged group
+    (1, 33, 129, 4, 32, "float", True, torch.float16, 2),  # float zero, split-K, odd K
+    (3, 24, 90, 8, 40, "float", False, torch.float32, None),  # float zero int8, per-element scales
 ]
 
 
 def _problem(m, n, k, bits, group, sym, bias, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    spec = QuantSpec(bits, group or k, sym)
+    spec = QuantSpec(bits, group or k, sym is True, float_zero=sym == "float")
     w = torch.randn(n, k, generator=g) / k**0.5  # results O(1)
     qweight, scales, zeros = quantize_weight(w, spec, scale_dtype=dtype)
     x = torch.randn(m, k, generator=g).to(dtype)
