@@ -224,6 +224,16 @@ def _peak_mem_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
+def preset_model(preset: str, config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """The model of ``preset``: trained weights for :data:`REAL_PRESETS` (loaded from their folder, tokenizer next
+    to them, for GPTQ's calibration), else :func:`build_random_model` of ``config``."""
+    if preset in REAL_PRESETS:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(REAL_PRESETS[preset](), dtype=dtype).to(device).eval()
+    return build_random_model(config, device, dtype, seed)
+
+
 def _prepare(peer: str, model: nn.Module, args: BenchArgs, device: torch.device) -> tuple[nn.Module, dict]:
     """The model to call ``generate`` on and the extra generate kwargs of contender ``peer``."""
     if peer == "eager":
@@ -261,12 +271,7 @@ def run_peer(peer: str, args: BenchArgs, device: torch.device, copy_gbs: float, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        if args.preset in REAL_PRESETS:  # trained weights (and the tokenizer next to them, for GPTQ's calibration)
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(REAL_PRESETS[args.preset](), dtype=dtype).to(device).eval()
-        else:
-            model = build_random_model(config, device, dtype, args.seed)
+        model = preset_model(args.preset, config, device, dtype, args.seed)
         model, extra = _prepare(peer, model, args, device)
     except Exception as e:  # noqa: BLE001 - a contender that cannot start is reported as failed, the others still run
         logger.debug("bench: %s failed to start", peer, exc_info=True)
