@@ -155,7 +155,7 @@ def run_serve_bench(preset: str, requests: int, rate: float, repeats: int, threa
     """Every contender on one model shape; returns the report (see the module docstring)."""
     import transformers
 
-    from ..bench import build_random_model, preset_config
+    from ..bench import preset_config, preset_model
     from ..integration.engine import init_inference
 
     if threads is not None:
@@ -166,9 +166,9 @@ def run_serve_bench(preset: str, requests: int, rate: float, repeats: int, threa
     config = preset_config(preset)
     work = mixed_workload(requests, seed, config.vocab_size)
     longest = max(len(p) for p, _ in work) + max(n for _, n in work)  # a padded batch's width + new tokens
-    hf = build_random_model(config, device, dtype, seed)
+    hf = preset_model(preset, config, device, dtype, seed)
     ours = init_inference(
-        build_random_model(config, device, dtype, seed), dtype=dtype_name, replace_with_kernel_inject=True,
+        preset_model(preset, config, device, dtype, seed), dtype=dtype_name, replace_with_kernel_inject=True,
         max_out_tokens=max(longest, 192 + 64), max_batch_size=PADDED_BATCH,
     ).module  # fmt: skip
     hf_cb = transformers.ContinuousBatchingConfig(num_blocks=requests * (longest // 16 + 2), page_size=16)
@@ -243,7 +243,8 @@ def write_plot(report: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hf_dsinfer.serving.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny", help="a hf_dsinfer.bench preset (random weights)")
+    p.add_argument("--preset", default="tiny",
+                   help="a hf_dsinfer.bench preset (random weights; smollm2-real: SmolLM2-135M's trained weights)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--repeats", type=int, default=3)
