@@ -19,3 +19,13 @@ def get_logger() -> logging.Logger:
 
 
 logger = get_logger()
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning once per process: a fallback or a piece of advice warns once, not on every load
+    or call."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)

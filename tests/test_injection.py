@@ -228,9 +228,8 @@ def test_llama_through_triton_kernels(saved, monkeypatch):
 @torch.no_grad()
 def test_architecture_without_policy_warns_once_and_matches_hf(tmp_path, caplog, monkeypatch):
     """A tiny t5 (no policy): one warning naming it, HF's own modules, HF's output."""
-    from hf_dsinfer.policies import injection as inject_mod
 
-    monkeypatch.setattr(inject_mod, "_WARNED", set())
+    monkeypatch.setattr("hf_dsinfer.log._WARNED", set())
     config = transformers.T5Config(
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0
     )

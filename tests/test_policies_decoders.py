@@ -14,7 +14,6 @@ import pytest
 import torch
 from tiny_models import PAD, build_tiny, prompts
 
-import hf_dsinfer.policies.injection as injection
 from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.policies import hf_state_dict, inject, is_injected
 
@@ -98,7 +97,7 @@ FALLBACKS = {
 @pytest.mark.parametrize("name", list(FALLBACKS))
 @torch.no_grad()
 def test_unsupported_config_keeps_hf_modules_with_one_warning(name, caplog, monkeypatch):
-    monkeypatch.setattr(injection, "_WARNED", set())
+    monkeypatch.setattr("hf_dsinfer.log._WARNED", set())
     overrides, reason = FALLBACKS[name]
     ids = torch.tensor([prompts()[0]])
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):

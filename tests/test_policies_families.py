@@ -16,7 +16,6 @@ import torch
 import transformers
 from tiny_models import PAD, build_tiny, prompts, tiny_config
 
-import hf_dsinfer.policies.injection as injection
 from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.policies import hf_state_dict, inject, is_injected
 
@@ -104,7 +103,7 @@ def test_variant_matches_hf(variant):
 @pytest.mark.parametrize("variant", list(FALLBACKS))
 @torch.no_grad()
 def test_unfused_variant_keeps_hf_modules_with_one_warning(variant, caplog, monkeypatch):
-    monkeypatch.setattr(injection, "_WARNED", set())
+    monkeypatch.setattr("hf_dsinfer.log._WARNED", set())
     name, overrides, reason = FALLBACKS[variant]
     ids = torch.tensor([prompts()[0]])
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):

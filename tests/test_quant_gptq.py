@@ -127,12 +127,12 @@ def test_calibration_refused_where_it_cannot_run():
 
 
 def test_int4_without_calibration_is_advised_once(monkeypatch):
-    from hf_dsinfer.integration import apply
+    from hf_dsinfer import log
     from hf_dsinfer.integration.quant_config import advise_calibration
 
     warned: list[str] = []  # recorded at the logger itself: another test may have turned propagation to caplog off
-    monkeypatch.setattr(apply, "_WARNED", set())
-    monkeypatch.setattr(apply.logger, "warning", lambda msg, *a, **k: warned.append(msg % a if a else msg))
+    monkeypatch.setattr(log, "_WARNED", set())
+    monkeypatch.setattr(log.logger, "warning", lambda msg, *a, **k: warned.append(msg % a if a else msg))
     advise_calibration(parse_quant({"weight": {"num_bits": 8}}))
     advise_calibration(parse_quant({"weight": {"num_bits": 4, "q_type": "asymmetric", "calibration": "gptq"}}))
     assert warned == []  # int8, or int4 already calibrated: nothing to advise

@@ -22,7 +22,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from .. import hf_compat
-from ..log import logger
+from ..log import warn_once
 from .processors import DecodePlan, StepProcessor, plan_decoding
 from .speculative import lookup_applies, prompt_lookup_loop
 from .stats import StepTimer
@@ -56,14 +56,11 @@ class FastLoopDeclined(Exception):
 
 
 CURRENT_CALL: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("hf_dsinfer_call", default=None)
-_WARNED: set[str] = set()
 
 
 def warn_fallback(reason: str) -> None:
     """One warning per reason: this kind of request runs on transformers' loop."""
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning("hf_dsinfer generate: %s is not covered by the fast loop; using transformers' loop.", reason)
+    warn_once(f"hf_dsinfer generate: {reason} is not covered by the fast loop; using transformers' loop.")
 
 
 def check_capacity(prompt_len: int, max_new: int, max_out_tokens: int) -> None:

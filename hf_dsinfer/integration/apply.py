@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-from ..log import logger
+from ..log import warn_once
 from .config import InferenceConfig
 
 CONFIG_ATTR = "_dsinfer_config"
@@ -160,11 +160,3 @@ def get_inference_config(model: nn.Module) -> InferenceConfig | None:
     return None
 
 
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """Log a warning once per process (unsupported cases fall back with one warning, not one per call)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..log import logger
+from ..log import logger, warn_once
 from .quant_calibration import calibrate, damp_of, refuse_calibration
 
 if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig); the model half imports lazily
@@ -283,8 +283,6 @@ def advise_calibration(settings: QuantSettings | None) -> None:
     far more than int8 (measured in docs/quantization.md), and GPTQ is one setting away."""
     if settings is None or settings.num_bits != 4 or settings.calibration is not None:
         return
-    from .apply import warn_once
-
     warn_once(
         "quant: int4 rounded to nearest costs trained models much quality (SmolLM2-135M: +58% perplexity symmetric, "
         "+28% asymmetric); quant.weight.calibration='gptq' with q_type='asymmetric' kept it within +5% "

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..log import logger
+from ..log import logger, warn_once
 from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
 from ..modules.quant_linear import QUANT_SUFFIXES, is_quantized_weight, pack_quantized, release_quantized
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
@@ -20,16 +20,6 @@ from .runtime import Runtime
 from .tp_layout import TPLayout
 
 INJECTION_ATTR = "_dsinfer_injection"
-
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """Log ``message`` once per process (a model without a policy warns once, not on every load)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
-
 
 @dataclass
 class Injection:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..log import logger
+from ..log import logger, warn_once
 from ..policies.injection import get_injection
 from .engine import RequestHandle, ServingEngine, ServingStats
 from .padded import padded_generate_batch
@@ -39,7 +39,6 @@ ENGINE_ATTR = "_dsinfer_batch_engine"  # the engine generate_batch keeps on the 
 STATS_ATTR = "_dsinfer_batch_stats"
 MAX_GROWTH = 8  # generate_batch's cache grows to at most this many times the static cache's memory
 _DEFAULT_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig default (ignored: see the module docstring)
-_warned: set[str] = set()
 
 
 def install_generate_batch(model: nn.Module, runtime: Any) -> None:
@@ -73,15 +72,6 @@ def engine_options(cb_config: Any) -> dict[str, Any]:
     if getattr(cb_config, "allow_block_sharing", True) is False:
         out["prefix_sharing"] = False
     return out
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning(
-            "hf_dsinfer: generate_batch runs padded static batches through generate (not continuous batching): %s.",
-            reason,
-        )
 
 
 def _output(handle: RequestHandle, status: Any = None) -> Any:
@@ -205,7 +195,8 @@ def generate_batch(
         logger.warning("hf_dsinfer generate_batch: ignoring unknown arguments %s", sorted(kwargs))
     reason = unsupported_reason(self)
     if reason is not None:
-        _warn_once(reason)
+        warn_once(f"hf_dsinfer: generate_batch runs padded static batches through generate (not continuous "
+                  f"batching): {reason}.")
         config = generation_config if generation_config is not None else self.generation_config
         copies = int(getattr(config, "num_return_sequences", None) or 1)
         from ..generation.api import GEN_ATTR  # here: generation.api installs this module's functions
