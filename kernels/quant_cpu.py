@@ -249,16 +249,15 @@ def _pack(
         groups = spec.n_groups(k)
         col_group = torch.arange(k) // spec.group_size  # [K]
         if zeros is not None:
-            q = q - zeros.float()[:, col_group]  # integers in [-255, 255]
-        exact = torch.equal(q.half().float(), q)  # q - z: integers, unless the zero point is fractional
+            q = q - zeros.float()[:, col_group]  # integers in [-255, 255], unless the zero point is fractional
         if kind == "fp16gemm" and groups > 1:  # the dequantized weight in fp16: exact where it fits (int4 scales of
             q, post, mask = q * scales.float()[:, col_group], None, None  # quantize_weight do), else rounded once
-            exact = torch.equal(q.half().float(), q)
         else:
-            # q - z is exact in fp16; the scales multiply the fp32 products after the GEMM: per row, or per group
-            # on the block-expanded activations (see cpu_quant_matmul).
+            # q - z (exact in fp16 when an integer); the scales multiply the fp32 products after the GEMM: per row,
+            # or per group on the block-expanded activations (see cpu_quant_matmul).
             post = scales.float().reshape(n).contiguous() if groups == 1 else scales.float().t().contiguous()
             mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
+        exact = torch.equal(q.half().float(), q)  # what the fp16 pack holds is what the reference computes
         packed = torch.fbgemm_pack_gemm_matrix_fp16(q.contiguous())  # an opaque handle owned by fbgemm
         return CpuPackedWeight(kind, packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
                                source=(qweight, scales, zeros), exact=exact)  # fmt: skip
