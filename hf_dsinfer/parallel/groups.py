@@ -9,23 +9,52 @@ initialized here when it is not yet and ``WORLD_SIZE`` is set (NCCL with CUDA, g
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
 class TPGroup:
     """The tensor-parallel group this process belongs to: ``size`` ranks, this one being ``rank`` (group-local).
 
-    ``group`` is None only for the trivial group of one process (no communication at all).
+    ``group`` is None only for the trivial group of one process (no communication at all). The process group is held
+    weakly: torch.distributed owns it until ``destroy_process_group()``, and a model that outlives that call must not
+    keep it alive. A gloo group that lives on into interpreter shutdown can abort the process: its worker thread
+    releases the last collective's tensors after Python has started finalizing (the GIL is gone, so the thread
+    terminates). Dropping the last reference inside ``destroy_process_group()`` joins those threads while Python is
+    still whole.
     """
 
-    group: Any
-    size: int
-    rank: int
+    __slots__ = ("_ref", "size", "rank")
+
+    def __init__(self, group: Any, size: int, rank: int) -> None:
+        self._ref = None if group is None else _weak(group)
+        self.size = int(size)
+        self.rank = int(rank)
+
+    @property
+    def group(self) -> Any:
+        """The ``ProcessGroup`` (None for the trivial group); raises once it has been destroyed."""
+        if self._ref is None:
+            return None
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "the process group of this tensor-parallel model was destroyed (torch.distributed."
+                "destroy_process_group()); run the model before destroying the group, or load it again after "
+                "init_process_group()."
+            )
+        return group
+
+    @property
+    def alive(self) -> bool:
+        """False once the process group this refers to has been destroyed."""
+        return self._ref is None or self._ref() is not None
+
+    def __repr__(self) -> str:
+        return f"TPGroup(size={self.size}, rank={self.rank}, alive={self.alive})"
 
     @property
     def first_global_rank(self) -> int:
@@ -33,6 +62,13 @@ class TPGroup:
         if self.group is None:
             return 0
         return dist.get_global_rank(self.group, 0)
+
+
+def _weak(group: Any) -> Any:
+    try:
+        return weakref.ref(group)
+    except TypeError:  # an object that takes no weak reference (a stand-in from an mpu): held, called like a ref
+        return lambda: group
 
 
 SINGLE = TPGroup(None, 1, 0)
@@ -53,6 +89,10 @@ def init_distributed() -> bool:
         return True
     if "WORLD_SIZE" not in os.environ:
         return False
+    # torch.distributed.nn binds `group.WORLD` into its functions' default arguments when first imported. Imported
+    # after init_process_group (transformers' model loading imports it), it would keep the default group alive past
+    # destroy_process_group(), into interpreter shutdown (see TPGroup); imported now it binds None.
+    import torch.distributed.nn  # noqa: F401
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
@@ -111,8 +151,9 @@ def resolve_tp_group(tp_size: int, tp_group: Any = None, mpu: Any = None) -> TPG
             f"tensor_parallel.tp_size={tp_size} does not divide the world size {world}; use a tp_size that divides "
             f"{world} (the number of launched processes)."
         )
-    if tp_size in _DEFAULT_GROUPS:
-        return _DEFAULT_GROUPS[tp_size]
+    cached = _DEFAULT_GROUPS.get(tp_size)
+    if cached is not None and cached.alive:  # not after destroy_process_group() + init_process_group()
+        return cached
     rank = dist.get_rank()
     if world == tp_size:
         found = TPGroup(dist.group.WORLD, tp_size, rank)
