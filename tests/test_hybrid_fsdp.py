@@ -17,6 +17,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group exists: a clean exit, see docs/tensor_parallel.md)
 import torch.multiprocessing as mp
 from tiny_models import PAD, build_tiny, left_pad, prompts
 

@@ -21,6 +21,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed.nn  # noqa: F401  (before any group exists: a clean exit, see docs/tensor_parallel.md)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
