@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
         add_bench_arguments(p_bench)
     if "serve" in argv:  # like bench: the server module is imported only when serving
-        from .serving.server import add_serve_arguments
+        from .serving.serve_cli import add_serve_arguments
 
         add_serve_arguments(p_serve)
     args = parser.parse_args(argv)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "generate":
         _generate(args)
     elif args.command == "serve":
-        from .serving.server import serve_main
+        from .serving.serve_cli import serve_main
 
         serve_main(args)
     elif args.command == "bench":

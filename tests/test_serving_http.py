@@ -18,7 +18,8 @@ import torch  # noqa: E402
 
 from hf_dsinfer.real_model import SMOLLM2_INSTALL, smollm2_available, smollm2_path  # noqa: E402
 from hf_dsinfer.serving import ServingEngine  # noqa: E402
-from hf_dsinfer.serving.server import OpenAIServer, load_for_serving  # noqa: E402
+from hf_dsinfer.serving.serve_cli import load_for_serving  # noqa: E402
+from hf_dsinfer.serving.server import OpenAIServer  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not smollm2_available(), reason=f"SmolLM2 is not installed: {SMOLLM2_INSTALL}"),
@@ -203,7 +204,7 @@ def test_client_disconnect_cancels_its_engine_request(served):
 
 def test_serve_command_line():
     from hf_dsinfer import cli
-    from hf_dsinfer.serving.server import serve_main
+    from hf_dsinfer.serving.serve_cli import serve_main
 
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--help"])
