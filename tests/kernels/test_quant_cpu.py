@@ -317,3 +317,15 @@ def test_onednn_packed_linear_probe_rejects_wrong_values(monkeypatch, caplog):
     assert len(lines) == 1 and "_linear_pointwise" in lines[0] and "F.linear" in lines[0], lines
     monkeypatch.undo()
     cpu_packed._available = None  # the real probe again for later tests
+
+
+def test_kind_benchmark_times_every_kind_against_fp32():
+    from hf_dsinfer.kernels.quant_cpu_bench import benchmark, format_benchmark
+
+    rows = benchmark([(48, 64)], rows=(1,), repeats=1, fp32_bytes=1)  # two weight copies, one call row
+    assert len(rows) == 1 and rows[0]["shape"] == "48x64" and rows[0]["copies"] == 2
+    kinds = [k for k in supported_kinds(QuantSpec(8, 64, True), 64) if k != "fp16gemm_exact"]  # per channel: fp16gemm
+    for kind in kinds:
+        assert any(kind in name for name in rows[0]), (kind, list(rows[0]))
+    table = format_benchmark(rows)
+    assert table.count("\n") == 2 and "fp32 F.linear" in table and "x)" in table
