@@ -65,11 +65,13 @@ class CompiledCPUDecode:
     Args:
         step: the eager decode step; its :meth:`~.decode.DecodeStep.eager` is what gets compiled.
         buckets: batch buckets (a batch above the largest one runs eagerly).
+        tokens: new tokens per row: 1 for decode; ``1 + k`` for a speculative verification (logits of every token).
     """
 
-    def __init__(self, step: DecodeStep, buckets: list[int]):
+    def __init__(self, step: DecodeStep, buckets: list[int], tokens: int = 1):
         self.step = step
         self.buckets = list(buckets)
+        self.tokens = tokens
         self.runner: GraphRunner | None = None
         self.failed = _has_collectives(step.runtime)
         self._compiled = None
@@ -86,9 +88,9 @@ class CompiledCPUDecode:
         )
 
     def _bucketed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The runner's step: ``input_ids``/``positions [bucket, 1]`` (views of its static buffers)."""
+        """The runner's step: ``input_ids``/``positions [bucket, tokens]`` (views of its static buffers)."""
         cache = self.step.cache
-        length = cache.padded_len + 1  # no row holds more tokens after this step (rows are stored compactly)
+        length = cache.padded_len + self.tokens  # no row holds more after this step (rows are stored compactly)
         if self._slots is None or self._slots.shape[0] != cache.max_tokens:
             self._slots = torch.arange(cache.max_tokens)
         slots = self._slots[:length]
@@ -105,19 +107,27 @@ class CompiledCPUDecode:
             warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
             out = self._compiled(input_ids, positions, slots)
         self.compile_s[bucket] = time.perf_counter() - t0
-        logger.info("hf_dsinfer: compiled the CPU decode step for batch %d in %.1f s", bucket, self.compile_s[bucket])
+        seconds = self.compile_s[bucket]
+        logger.info("hf_dsinfer: compiled the CPU %s for batch %d in %.1f s", self._what, bucket, seconds)
         return out
 
+    @property
+    def _what(self) -> str:
+        return "decode step" if self.tokens == 1 else f"verification step of {self.tokens} tokens"
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids [B, 1]``, ``positions [B, 1]`` -> fp32 logits ``[B, V]`` (eager above the largest bucket)."""
+        """``input_ids [B, T]``, ``positions [B, T]`` (``T = tokens``) -> fp32 logits ``[B, V]`` (decode) or
+        ``[B, T, V]`` (verification); eager above the largest bucket."""
         if self.runner is None:
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
             self._compiled = torch.compile(types.MethodType(traced, self.step), fullgraph=True, dynamic=False)
             cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
-            inputs = {"input_ids": StaticInput((1,), torch.long, 0), "positions": StaticInput((1,), torch.long, 0)}
-            self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name="decode")
+            row = (self.tokens,)
+            inputs = {"input_ids": StaticInput(row, torch.long, 0), "positions": StaticInput(row, torch.long, 0)}
+            name = "decode" if self.tokens == 1 else f"verify{self.tokens}"
+            self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name=name)
         cpu_packed.sync()  # HF_DSINFER_CPU_PACKED -> the switch the graph reads (a change recompiles the bucket)
         batch = input_ids.shape[0]
         bucket = self.runner.bucket_for(batch)
@@ -130,8 +140,9 @@ class CompiledCPUDecode:
                 raise  # a bucket that already ran compiled: a real error, not a compiler failure
             self.failed = True
             logger.warning(
-                "hf_dsinfer: compiling the CPU decode step failed (%s: %s); decoding with eager torch instead "
+                "hf_dsinfer: compiling the CPU %s failed (%s: %s); running it with eager torch instead "
                 "(set cpu_compile=False in the inference config to skip the attempt).",
+                self._what,
                 type(e).__name__,
                 str(e).splitlines()[0][:200] if str(e) else "",
             )

@@ -45,6 +45,8 @@ class DecodeStep:
         self.lm_head = model.get_output_embeddings()
         self._start: torch.Tensor | None = None
         self.compiled: CompiledCPUDecode | None = None
+        self.compile_cpu = compile_cpu
+        self._verifiers: dict[int, CompiledCPUDecode] = {}  # tokens -> the compiled one-row verification step
         if compile_cpu:
             self.compiled = CompiledCPUDecode(self, batch_buckets(batch_sizes, max_batch_size))
 
@@ -57,6 +59,21 @@ class DecodeStep:
             return self.compiled(input_ids=input_ids, positions=positions)
         return self.eager(input_ids, positions)
 
+    def verifier(self, tokens: int, input_ids: torch.Tensor) -> CompiledCPUDecode | None:
+        """The compiled step over ``tokens`` new tokens of one row (a speculative verification: ``1 + k`` tokens),
+        or None where the compiled CPU path does not apply (then the caller runs the model's forward).
+
+        Called with ``input_ids [1, tokens]`` and ``positions [1, tokens]``, it returns fp32 logits
+        ``[1, tokens, V]`` and advances the row's cache length by ``tokens`` (the caller advances ``padded_len`` and
+        rolls back what it rejects with ``InjectedCache.crop``). One graph per ``tokens``, compiled on first use.
+        """
+        if self.compiled is None or self.compiled.failed or not self.compiled.applies(input_ids):
+            return None
+        verifier = self._verifiers.get(tokens)
+        if verifier is None:
+            verifier = self._verifiers[tokens] = CompiledCPUDecode(self, [1], tokens=tokens)
+        return None if verifier.failed else verifier
+
     def start_offsets(self, batch: int, device: torch.device) -> torch.Tensor:
         """Zero left-padding offsets ``[batch]`` int32, from a buffer allocated once (graph-safe: no allocation)."""
         if self._start is None or self._start.shape[0] < batch or self._start.device != device:
@@ -66,20 +83,25 @@ class DecodeStep:
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, attend_len: int | None = None) -> torch.Tensor:
         """The step in eager torch (also what :class:`CompiledCPUDecode` traces, with ``attend_len`` set).
 
-        ``attend_len``: a host-side bound on the cached lengths after this step; set, the attention layers store and
-        attend without host syncs over that many slots (see ``StepContext.attend_len``).
+        ``input_ids``/``positions [B, T]``: one token per row (decode, logits ``[B, V]``) or ``T`` tokens per row
+        (a speculative verification, logits ``[B, T, V]``, every token's). ``attend_len``: a host-side bound on the
+        cached lengths after this step; set, the attention layers store and attend without host syncs over that many
+        slots (see ``StepContext.attend_len``).
         """
         rt, cache = self.runtime, self.cache
-        batch = input_ids.shape[0]
-        hidden = self.policy.embed(self.model, input_ids, positions)  # [B, 1, C]
-        start = self.start_offsets(batch, input_ids.device)  # [B]: a decode token is never padding
+        batch, tokens = input_ids.shape
+        hidden = self.policy.embed(self.model, input_ids, positions)  # [B, T, C]
+        start = self.start_offsets(batch, input_ids.device)  # [B]: a step's tokens are never padding
         cache_lens = cache.lengths[:batch]  # [B] int32: tokens stored before this step
-        ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), rt.rotary, cache_lens + 1)
+        seq_lens = cache_lens + 1 if tokens == 1 else None  # None: the prefill-style attention (causal within T)
+        ctx = StepContext(cache, start, cache_lens, positions.reshape(-1), rt.rotary, seq_lens)
         ctx.attend_len = attend_len
         hidden = rt.run_layers(self.model, hidden, ctx)
-        cache.lengths[:batch] += 1  # in place: a replayed graph advances the same tensor
-        logits = cpu_packed.module_forward(self.lm_head, hidden[:, -1])  # [B, V]; CPU fp32 B >= 4: prepacked
-        return self.policy.finalize_logits(self.model, logits).float()
+        cache.lengths[:batch] += tokens  # in place: a replayed graph advances the same tensor
+        rows = hidden[:, -1] if tokens == 1 else hidden.reshape(batch * tokens, -1)  # [B, C] or [B * T, C]
+        logits = cpu_packed.module_forward(self.lm_head, rows)  # CPU fp32 with >= 4 rows: prepacked
+        logits = self.policy.finalize_logits(self.model, logits).float()
+        return logits if tokens == 1 else logits.view(batch, tokens, -1)  # [B, V] or [B, T, V]
 
 
 class DecodeGraphs:

@@ -109,6 +109,7 @@ def prompt_lookup_loop(
         proposer = None
     max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or 2)
     device = input_ids.device
+    step = call.state.step if call.state.step is not None and call.state.step.compile_cpu else None
     prompt_len = input_ids.shape[1]
     positions = model_kwargs.get("position_ids")
     start = int(positions[0, -1]) + 1 if positions is not None else prompt_len  # position of the first new token
@@ -132,15 +133,12 @@ def prompt_lookup_loop(
         # propose, then verify [tok, c_1..c_k] in one forward: logits j give the greedy token after c_j
         room = min(k_max, n_new - generated - 1)
         cands = proposer(seq, room, device) if proposer is not None else propose(seq, room, max_ngram)
-        feed = torch.tensor([[tok, *cands]], device=device)  # [1, 1 + k]
-        pos = torch.arange(feed.shape[1], device=device)[None] + (start + generated - 1)
-        logits = model(input_ids=feed, position_ids=pos, use_cache=True, return_dict=True,
-                       **{hf_compat.cache_kwarg(): handle}).logits[0].float()  # fmt: skip  [1 + k, V]
+        logits, fed = _verify(model, step, handle, [tok, *cands], k_max, start + generated - 1, device)  # [fed, V]
         picks = [int(proc.select(proc.process(logits[j : j + 1], generated + j))[0]) for j in range(len(cands) + 1)]
         accepted = 0
         while accepted < len(cands) and picks[accepted] == cands[accepted]:
             accepted += 1
-        handle.crop(-(len(cands) - accepted))  # drop the cache entries of the rejected proposals
+        handle.crop(-(fed - 1 - accepted))  # drop the cache entries of the rejected proposals (and of any filler)
         if proposer is not None:
             proposer.accepted(len(cands), accepted)
         for j in range(accepted):  # the accepted proposals are greedy's tokens; emit them one by one (stop checks)
@@ -155,6 +153,35 @@ def prompt_lookup_loop(
                 return _done(seq, handle, generated, streamer, device)
         tok = picks[accepted]
     return _done(seq, handle, generated, streamer, device)
+
+
+def _verify(
+    model: Any, step: Any, handle: Any, tokens: list[int], k_max: int, first_pos: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Run ``tokens`` (the last token and its proposals) at positions ``first_pos...`` over the static cache; returns
+    (fp32 logits ``[fed, V]``, tokens fed). The cache advances by ``fed``; the caller crops what it rejects.
+
+    On CPU with the compiled step (``cpu_compile``), one graph per shape: proposals are padded to ``1 + k_max``
+    tokens (the fillers only follow the real ones, so causal attention keeps them out of the real tokens' logits) and
+    a lone token runs the compiled decode step. Otherwise, and where the padded step would not fit the cache, the
+    model's own forward.
+    """
+    cache = step.cache if step is not None else None
+    fed = 1 if len(tokens) == 1 else 1 + k_max
+    ids = torch.tensor([tokens + tokens[-1:] * (fed - len(tokens))], device=device)  # [1, fed]
+    compiled = None
+    if cache is not None and cache.padded_len + fed <= cache.max_tokens:
+        compiled = step.compiled if fed == 1 else step.verifier(fed, ids)
+    if compiled is not None and compiled.applies(ids):
+        pos = torch.arange(fed, device=device)[None] + first_pos  # [1, fed]
+        logits = compiled(input_ids=ids, positions=pos)  # [1, V] (decode) or [1, fed, V]
+        cache.padded_len += fed  # the step advanced the device lengths itself
+        return logits.reshape(fed, -1), fed
+    ids = ids[:, : len(tokens)]  # the forward takes any length: no fillers
+    pos = torch.arange(ids.shape[1], device=device)[None] + first_pos
+    logits = model(input_ids=ids, position_ids=pos, use_cache=True, return_dict=True,
+                   **{hf_compat.cache_kwarg(): handle}).logits[0].float()  # fmt: skip  [1 + k, V]
+    return logits, ids.shape[1]
 
 
 def _stops(plan: DecodePlan, seq: list[int], tok: int, eos: set[int], generated: int, n_new: int, device) -> bool:

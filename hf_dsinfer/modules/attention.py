@@ -224,10 +224,8 @@ class FusedAttention(nn.Module):
             out = out.reshape(-1, Hq * D).index_select(0, ctx.token_index)  # [N, Hq * D]
             return self.o(out.view(B, T, Hq * D), defer_reduce)
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [Bmax, Hk, S, D]
-        if ctx.attend_len is not None:
-            out = _sync_free_decode(
-                q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx, s, self.alibi_slopes
-            )  # [B, Hq, D]
+        if ctx.attend_len is not None:  # compiled CPU step (decode, or a speculative verification)
+            out = _sync_free_attend(q, k, v, k_cache, v_cache, ctx, s, self.alibi_slopes)  # [B, T, Hq, D]
             return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
         if ctx.decode:
@@ -281,34 +279,52 @@ def _sync_free_decode(
     spec: AttentionSpec,
     alibi_slopes: torch.Tensor | None = None,  # [Hq] fp32 (bloom)
 ) -> torch.Tensor:
-    """One decode step's KV store and attention in plain torch ops with no host sync (for ``torch.compile``).
+    """One token per row: :func:`_sync_free_attend` with ``T = 1``. Returns ``[B, Hq, D]``."""
+    return _sync_free_attend(q[:, None], k[:, None], v[:, None], k_cache, v_cache, ctx, spec, alibi_slopes)[:, 0]
 
-    The same math as the kernels' references: the new token goes to slot ``cache_lens[b]`` (the caller checked that
-    the request fits the cache), the query attends slots ``[0, seq_lens[b])`` (or the last ``sliding_window`` of
-    them) of the first ``ctx.attend_len`` slots, scores in fp32 with the optional softcap, then the optional ALiBi
-    bias ``slope[h] * j`` of slot ``j``. Returns ``[B, Hq, D]``.
+
+def _sync_free_attend(
+    q: torch.Tensor,  # [B, T, Hq, D] this step's queries
+    k: torch.Tensor,  # [B, T, Hk, D] this step's keys
+    v: torch.Tensor,  # [B, T, Hk, D]
+    k_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    v_cache: torch.Tensor,  # [Bmax, Hk, S, D]
+    ctx: StepContext,
+    spec: AttentionSpec,
+    alibi_slopes: torch.Tensor | None = None,  # [Hq] fp32 (bloom)
+) -> torch.Tensor:
+    """A step's KV store and causal attention in plain torch ops with no host sync (for ``torch.compile``).
+
+    The same math as the kernels' references: row ``b``'s ``T`` new tokens go to slots ``cache_lens[b] + t`` (the
+    caller checked that they fit the cache; rows hold no left padding), and token ``t`` attends slots
+    ``[0, cache_lens[b] + t]`` (or the last ``sliding_window`` of them) of the first ``ctx.attend_len`` slots, scores
+    in fp32 with the optional softcap, then the optional ALiBi bias ``slope[h] * j`` of slot ``j``. ``T`` is 1 for
+    a decode step and ``1 + k`` for a speculative verification. Returns ``[B, T, Hq, D]``.
     """
-    B, Hq, D = q.shape
-    Hk = k.shape[1]
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    G = Hq // Hk
     L = ctx.attend_len
-    rows = torch.arange(B, device=q.device)
-    slot = ctx.cache_lens.long()  # [B]
-    k_cache[rows, :, slot] = k.to(k_cache.dtype)  # [B, Hk, D] into k_cache[b, :, slot[b]]
+    rows = torch.arange(B, device=q.device)[:, None]  # [B, 1]
+    slot = ctx.cache_lens.long()[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    k_cache[rows, :, slot] = k.to(k_cache.dtype)  # [B, T, Hk, D] into k_cache[b, :, slot[b, t]]
     v_cache[rows, :, slot] = v.to(v_cache.dtype)
     keys = k_cache[:B, :, :L].float()  # [B, Hk, L, D] (a view in fp32)
     vals = v_cache[:B, :, :L].float()
-    qg = q.float().view(B, Hk, Hq // Hk, D)  # [B, Hk, G, D]: the query heads of each KV head
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * spec.scale  # [B, Hk, G, L]
+    # [B, T, Hk, G, D] -> [B, Hk, T * G, D]: the query heads of each KV head, token by token
+    qg = q.float().view(B, T, Hk, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hk, T * G, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * spec.scale  # [B, Hk, T * G, L]
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.view(B, Hk, T, G, L)
     j = torch.arange(L, device=q.device)
     if alibi_slopes is not None:  # head h = kv head * G + g, as in the kernels' reference
-        scores = scores + alibi_slopes.float().view(Hk, Hq // Hk)[None, :, :, None] * j.float()
-    lens = ctx.seq_lens.long()[:, None]  # [B, 1]
-    allowed = j[None, :] < lens  # [B, L]
+        scores = scores + alibi_slopes.float().view(Hk, 1, G, 1) * j.float()
+    lens = slot + 1  # [B, T]: keys token t sees, itself included
+    allowed = j < lens[..., None]  # [B, T, L]
     if spec.sliding_window is not None:
-        allowed &= j[None, :] >= lens - spec.sliding_window
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vals)  # [B, Hk, G, D]
-    return out.view(B, Hq, D).to(q.dtype)
+        allowed &= j >= lens[..., None] - spec.sliding_window
+    scores = scores.masked_fill(~allowed[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(B, Hk, T * G, L)
+    out = torch.matmul(probs, vals)  # [B, Hk, T * G, D]
+    return out.view(B, Hk, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D).to(q.dtype)

@@ -35,7 +35,7 @@ from hf_dsinfer.kernels import decode_attention, prefill_attention, store_kv
 
 from .. import hf_compat
 from ..modules import StaticKVCache, StepContext
-from ..modules.attention import AttentionSpec, _sync_free_decode
+from ..modules.attention import AttentionSpec, _sync_free_attend
 from .base import Policy
 from .runtime import Runtime, install_causal_lm_forward
 
@@ -76,9 +76,8 @@ def static_cache_attention(
     k = key.transpose(1, 2).contiguous()  # [B, T, Hk, D]
     v = value.transpose(1, 2).contiguous()
     k_cache, v_cache = ctx.cache.layer(module.layer_idx)  # [Bmax, Hk, S, D]
-    if ctx.attend_len is not None:  # compiled CPU decode: store and attend without host syncs
-        out = _sync_free_decode(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx, spec)  # [B, Hq, D]
-        return out[:, None], None
+    if ctx.attend_len is not None:  # compiled CPU step: store and attend without host syncs
+        return _sync_free_attend(q, k, v, k_cache, v_cache, ctx, spec), None  # [B, T, Hq, D]
     store_kv(k, v, k_cache, v_cache, ctx.cache_lens, ctx.start)
     if ctx.decode:
         out = decode_attention(
