@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OLDEST="5.17.*"  # keep in step with pyproject's lower bound and hf_compat.OLDEST_TESTED
 MODULES=(
     tests/test_hf_contracts.py tests/test_hf_boundary.py tests/test_injected_cache.py tests/test_prompt_lookup.py
+    tests/test_compiled_verify.py
     tests/test_fidelity.py tests/test_generation.py tests/test_generation_sampling.py tests/test_generic_path.py
     tests/test_hybrid.py tests/test_hybrid_fast.py tests/test_hybrid_adapters.py tests/test_trl.py
     tests/test_quant.py tests/test_quant_float_zero.py tests/test_quant_gptq.py tests/test_readme.py
