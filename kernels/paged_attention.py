@@ -19,6 +19,8 @@ its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_shape, check_tensor
@@ -119,6 +121,7 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention of ``q [T, H, D]`` over the paged ``k_cache``/``v_cache [NB, BS, KVH, D]``.
 
@@ -127,13 +130,15 @@ def paged_attention(
     tokens, which must already be stored (:func:`store_paged_kv`). Every sequence has at least one new token.
     ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores; ``sliding_window`` W limits each query to its
     last W positions (itself included). H must be a multiple of KVH (GQA/MQA). Returns ``[T, H, D]`` in ``q.dtype``.
+    ``plans``: a dict kept for one step and passed to every layer (see :func:`paged_attention_torch`; the Triton
+    path needs none).
     """
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, scale, softcap, sliding_window)
     if _use_triton(q):
         from .paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(*args)
-    return paged_attention_torch(*args)
+    return paged_attention_torch(*args, plans=plans)
 
 
 def store_paged_kv(
@@ -242,6 +247,7 @@ def paged_attention_torch(
     scale: float,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Plain-torch :func:`paged_attention`: the CPU production path.
 
@@ -250,6 +256,11 @@ def paged_attention_torch(
     the longest chunk is computed. fp32 without a softcap uses torch's SDPA; half precision and softcap take the
     explicit fp32 scores of :func:`masked_attention_torch` (half-precision SDPA on CPU rounds between its blocks, so
     a sequence's result would depend on what it is batched with).
+
+    ``plans``: a dict the caller keeps for one step and passes to every layer's call. What this path derives from
+    the lengths and tables (the checks, the groups and their index tensors) is computed by the first layer and read
+    by the others, keyed by the identity of ``block_tables`` / ``cu_seqlens_q`` / ``seq_lens_k`` and the cache's
+    block and key sizes, so tensors the caller changes between calls must be new tensors (a step's are).
     """
     check_paged_args(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, sliding_window, softcap, strict_strides=False
@@ -258,26 +269,50 @@ def paged_attention_torch(
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # every row is written: each sequence has >= 1
     if T == 0:
         return out
-    n_q, lens = _check_lengths(q, block_tables, cu_seqlens_q, seq_lens_k, k_cache.shape[1])
-    starts = cu_seqlens_q.tolist()
-    decode = [s for s, n in enumerate(n_q) if n == 1]
     key_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one key of one layer
-    for group in _decode_groups(decode, lens, k_cache.shape[1], key_bytes):
-        idx = torch.tensor(group, device=q.device)
-        rows = cu_seqlens_q[idx].long()  # [Sg] the query row of each one-token sequence
+    key = (id(block_tables), id(cu_seqlens_q), id(seq_lens_k), T, k_cache.shape[1], key_bytes)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        plan = _plan(q, block_tables, cu_seqlens_q, seq_lens_k, k_cache.shape[1], key_bytes)
+        if plans is not None:
+            plans[key] = plan
+    for rows, tables, seq_lens, max_len in plan.decode:
         out[rows] = _attend(
-            q[rows][:, None], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], lens[group[-1]],
-            scale, softcap, sliding_window,
+            q[rows][:, None], k_cache, v_cache, tables, seq_lens, max_len, scale, softcap, sliding_window
         )[:, 0]  # fmt: skip
-    for s, n in enumerate(n_q):
-        if n <= 1:
-            continue
-        a = starts[s]
+    for s, a, n, max_len in plan.chunks:
         out[a : a + n] = _attend(
-            q[None, a : a + n], k_cache, v_cache, block_tables[s : s + 1], seq_lens_k[s : s + 1], lens[s],
+            q[None, a : a + n], k_cache, v_cache, block_tables[s : s + 1], seq_lens_k[s : s + 1], max_len,
             scale, softcap, sliding_window,
         )[0]  # fmt: skip
     return out
+
+
+@dataclass
+class _TorchPlan:
+    """What :func:`paged_attention_torch` derives from a step's lengths and tables (the same for every layer)."""
+
+    decode: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]  # per group: rows, tables, seq_lens, max len
+    chunks: list[tuple[int, int, int, int]]  # per longer chunk: sequence, first row, new tokens, keys
+
+
+def _plan(
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_size: int,
+    key_bytes: int,
+) -> _TorchPlan:
+    n_q, lens = _check_lengths(q, block_tables, cu_seqlens_q, seq_lens_k, block_size)
+    starts = cu_seqlens_q.tolist()
+    decode = []
+    for group in _decode_groups([s for s, n in enumerate(n_q) if n == 1], lens, block_size, key_bytes):
+        idx = torch.tensor(group, device=q.device)
+        rows = cu_seqlens_q[idx].long()  # [Sg] the query row of each one-token sequence
+        decode.append((rows, block_tables[idx], seq_lens_k[idx], lens[group[-1]]))
+    chunks = [(s, starts[s], n, lens[s]) for s, n in enumerate(n_q) if n > 1]
+    return _TorchPlan(decode, chunks)
 
 
 #: Bytes of gathered keys (as many of values) one batched decode attention reads at most, unless one sequence

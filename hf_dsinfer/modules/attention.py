@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -146,6 +146,8 @@ class PagedStepContext(StepContext):
     cu_seqlens_q: torch.Tensor | None = None
     seq_lens_k: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
+    # The torch path's per-step metadata (groups, index tensors), built by the first layer, read by the others.
+    paged_plans: dict = field(default_factory=dict)
 
 
 class FusedAttention(nn.Module):
@@ -258,7 +260,7 @@ class FusedAttention(nn.Module):
         store_paged_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens_k, s.scale,
-            softcap=s.softcap, sliding_window=s.sliding_window,
+            softcap=s.softcap, sliding_window=s.sliding_window, plans=ctx.paged_plans,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

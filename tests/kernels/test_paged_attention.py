@@ -278,3 +278,25 @@ def test_paged_torch_decode_groups_match_reference(budget, monkeypatch):
     q, kc, vc, bt, cu, lens, _ = make_batch(4, 2, 32, 16, seqs, torch.float32, "cpu")
     ref = paged_attention_reference(q, kc, vc, bt, cu, lens, 32**-0.5)
     assert_close(paged_attention_torch(q, kc, vc, bt, cu, lens, 32**-0.5), ref, ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_paged_torch_plans_shared_by_a_steps_layers(case, monkeypatch):
+    """One ``plans`` dict across a step's layers: the lengths are read once (one plan), and every layer's result
+    equals a call without it (two layers: two caches of the same shape, one more of another head size)."""
+    from hf_dsinfer.kernels import paged_attention as pa
+
+    H, KVH, D, BS, seqs, window, cap = case
+    layers = [make_batch(H, KVH, D, BS, seqs, torch.float32, "cpu", seed=seed) for seed in (0, 1)]
+    _, _, _, bt, cu, lens, _ = layers[0]
+    built = []
+    real_plan = pa._plan
+    monkeypatch.setattr(pa, "_plan", lambda *a: built.append(a) or real_plan(*a))
+    plans: dict = {}
+    for q, kc, vc, *_ in layers:  # the second layer's own tables are equal to the first's: share the first's
+        got = paged_attention_torch(q, kc, vc, bt, cu, lens, D**-0.5, cap, window, plans=plans)
+        assert torch.equal(got, paged_attention_torch(q, kc, vc, bt, cu, lens, D**-0.5, cap, window))
+    assert len(plans) == 1 and len(built) == 3  # one plan for the step, two for the calls without plans
+    q2, kc2, vc2, *_ = make_batch(H, KVH, 2 * D, BS, seqs, torch.float32, "cpu")  # another key size: its own plan
+    paged_attention_torch(q2, kc2, vc2, bt, cu, lens, D**-0.5, cap, window, plans=plans)
+    assert len(plans) == 2
