@@ -137,3 +137,23 @@ def test_compiled_verification_with_a_fused_draft(models, case, compile_on):
     assert torch.equal(out, want)
     assert last_generate_stats(opt).path == "fast+draft"
     assert getattr(opt, GEN_ATTR).step._verifiers[1 + K].compile_s
+
+
+@pytest.mark.slow
+def test_verification_near_the_end_of_the_cache_falls_back_to_the_forward(models, case, compile_on, monkeypatch):
+    """A cache with no room for the padded ``1 + K`` tokens at the end: the last verifications run the model's forward
+    (unpadded), the earlier ones the compiled step; the tokens are still plain greedy's."""
+    _, _, path = models
+    ids, want = case
+    tight = transformers.AutoModelForCausalLM.from_pretrained(
+        path, inference_config={**INJECT, "max_out_tokens": ids.shape[1] + NEW}
+    ).eval()
+    truth = want[0].tolist()
+    monkeypatch.setattr(speculative, "propose", lambda seq, k, n: truth[len(seq) : len(seq) + min(k, 2)])
+    calls = []
+    forward = tight.forward  # the injected forward (bound)
+    monkeypatch.setattr(tight, "forward", lambda *a, **kw: calls.append(kw["input_ids"].shape[1]) or forward(*a, **kw))
+    assert torch.equal(_greedy(tight, ids, prompt_lookup_num_tokens=K), want)
+    assert getattr(tight, GEN_ATTR).step._verifiers[1 + K].compile_s  # the compiled step ran ...
+    # ... and the forward: the prefill, then the verifications at the end, unpadded (the last token + 2 proposals)
+    assert calls[0] == ids.shape[1] and calls[1:] and all(n <= 3 for n in calls[1:]), calls
