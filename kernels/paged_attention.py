@@ -122,6 +122,7 @@ def paged_attention(
     softcap: float | None = None,
     sliding_window: int | None = None,
     plans: dict | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention of ``q [T, H, D]`` over the paged ``k_cache``/``v_cache [NB, BS, KVH, D]``.
 
@@ -131,14 +132,20 @@ def paged_attention(
     ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores; ``sliding_window`` W limits each query to its
     last W positions (itself included). H must be a multiple of KVH (GQA/MQA). Returns ``[T, H, D]`` in ``q.dtype``.
     ``plans``: a dict kept for one step and passed to every layer (see :func:`paged_attention_torch`; the Triton
-    path needs none).
+    path needs none). ``alibi_slopes [H]`` (fp32, bloom): each score gets ``slope[h] * j`` for the key at position
+    ``j`` of its sequence; torch path only (the Triton kernels refuse it).
     """
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, scale, softcap, sliding_window)
     if _use_triton(q):
+        if alibi_slopes is not None:
+            raise ValueError(
+                "alibi_slopes: the Triton paged attention kernels have no ALiBi; run ALiBi models on the torch path "
+                "(HF_DSINFER_BACKEND=torch) or with padded batches"
+            )
         from .paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(*args)
-    return paged_attention_torch(*args, plans=plans)
+    return paged_attention_torch(*args, plans=plans, alibi_slopes=alibi_slopes)
 
 
 def store_paged_kv(
@@ -248,6 +255,7 @@ def paged_attention_torch(
     softcap: float | None = None,
     sliding_window: int | None = None,
     plans: dict | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch :func:`paged_attention`: the CPU production path.
 
@@ -255,7 +263,7 @@ def paged_attention_torch(
     groups of similar length (:func:`_decode_groups`); every longer chunk (prefill) runs on its own, so no padding to
     the longest chunk is computed. fp32 without a softcap uses torch's SDPA; half precision and softcap take the
     explicit fp32 scores of :func:`masked_attention_torch` (half-precision SDPA on CPU rounds between its blocks, so
-    a sequence's result would depend on what it is batched with).
+    a sequence's result would depend on what it is batched with), and so does ALiBi (``alibi_slopes [H]``).
 
     ``plans``: a dict the caller keeps for one step and passes to every layer's call. What this path derives from
     the lengths and tables (the checks, the groups and their index tensors) is computed by the first layer and read
@@ -266,6 +274,9 @@ def paged_attention_torch(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens_k, sliding_window, softcap, strict_strides=False
     )
     T, H, D = q.shape
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes, ndim=1, dtypes=(torch.float32,), device=q.device)
+        check_shape("alibi_slopes", alibi_slopes, (H,))
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # every row is written: each sequence has >= 1
     if T == 0:
         return out
@@ -278,12 +289,12 @@ def paged_attention_torch(
             plans[key] = plan
     for rows, tables, seq_lens, max_len in plan.decode:
         out[rows] = _attend(
-            q[rows][:, None], k_cache, v_cache, tables, seq_lens, max_len, scale, softcap, sliding_window
+            q[rows][:, None], k_cache, v_cache, tables, seq_lens, max_len, scale, softcap, sliding_window, alibi_slopes
         )[:, 0]  # fmt: skip
     for s, a, n, max_len in plan.chunks:
         out[a : a + n] = _attend(
             q[None, a : a + n], k_cache, v_cache, block_tables[s : s + 1], seq_lens_k[s : s + 1], max_len,
-            scale, softcap, sliding_window,
+            scale, softcap, sliding_window, alibi_slopes,
         )[0]  # fmt: skip
     return out
 
@@ -349,13 +360,14 @@ def _attend(
     scale: float,
     softcap: float | None,
     sliding_window: int | None,
+    alibi_slopes: torch.Tensor | None = None,  # [H] fp32
 ) -> torch.Tensor:
     """Attention of ``B`` sequences with the same number ``Tq`` of new tokens; returns ``[B, Tq, H, D]``."""
     B, Tq, H, D = q.shape
     k = gather_paged_kv(k_cache, block_tables, max_len)  # [B, KVH, L, D]
     v = gather_paged_kv(v_cache, block_tables, max_len)
     positions = seq_lens.long()[:, None] - Tq + torch.arange(Tq, device=q.device)  # [B, Tq]
-    if softcap is None and q.dtype == torch.float32:
+    if softcap is None and alibi_slopes is None and q.dtype == torch.float32:
         j = torch.arange(max_len, device=q.device)
         allowed = j[None, None, :] <= positions[:, :, None]  # [B, Tq, L]
         if sliding_window is not None:
@@ -369,7 +381,8 @@ def _attend(
             enable_gqa=k.shape[1] != H,
         ).transpose(1, 2)  # [B, Tq, H, D]
     valid = torch.ones_like(positions, dtype=torch.bool)
-    return masked_attention_torch(q, k, v, positions, valid, scale, sliding_window, softcap)
+    # gathered keys sit at their positions (slot j = key j of the sequence), so the ALiBi bias of slot j is right
+    return masked_attention_torch(q, k, v, positions, valid, scale, sliding_window, softcap, alibi_slopes)
 
 
 def paged_attention_reference(
@@ -382,6 +395,7 @@ def paged_attention_reference(
     scale: float,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The test oracle: one sequence at a time, keys read slot by slot through the block table, fp32 math.
 
@@ -407,5 +421,7 @@ def paged_attention_reference(
             scores = torch.einsum("hd,lhd->hl", q[cu[s] + i].float(), k[lo : p + 1]) * scale  # [H, keys]
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
+            if alibi_slopes is not None:  # slope of head h times the key's position in its sequence
+                scores = scores + alibi_slopes.float()[:, None] * torch.arange(lo, p + 1, device=q.device)
             out[cu[s] + i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : p + 1])
     return out.to(q.dtype)

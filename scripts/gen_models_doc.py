@@ -131,7 +131,7 @@ def family_row(model_type: str, policies: dict, tested: set) -> dict[str, str]:
     if not attn[0].causal:
         row["Continuous batching"] = "-"
     elif any(a.alibi_slopes for a in attn):
-        row["Continuous batching"] = "padded batches (ALiBi is not implemented over the paged cache)"
+        row["Continuous batching"] = "paged on the torch path; padded batches on the Triton kernels (no ALiBi there)"
     else:
         row["Continuous batching"] = "paged"
     row["Tensor parallel (tp_size=2)"] = _autotp(model, policy)

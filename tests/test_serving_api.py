@@ -131,8 +131,10 @@ def test_continuous_batching_config_sizes_the_engine(pair):
     assert engine.scheduler.max_batch_tokens == 32 and not engine.scheduler.prefix_sharing
 
 
-def test_alibi_model_falls_back_to_padded_batches(pair, caplog):
+def test_alibi_model_on_the_triton_kernels_falls_back_to_padded_batches(pair, caplog, monkeypatch):
+    """With the Triton paged kernels (no ALiBi; simulated here) bloom's ``generate_batch`` runs padded batches."""
     ref, opt = pair("bloom")
+    monkeypatch.setattr("hf_dsinfer.serving.runner._triton_paged", lambda model: True)
     batch = prompts((5, 9), seed=4)
     cfg = config(eos_token_id=-1)
     with caplog.at_level(logging.WARNING, logger="transformers.hf_dsinfer"):
@@ -141,6 +143,15 @@ def test_alibi_model_falls_back_to_padded_batches(pair, caplog):
     assert [o.generated_tokens for o in got.values()] == [alone(ref, p, cfg) for p in batch]
     with pytest.raises(ValueError, match="ALiBi"):
         opt.init_continuous_batching()
+
+
+def test_alibi_model_is_served_by_the_engine_on_the_torch_path(pair):
+    ref, opt = pair("bloom")
+    batch = prompts((5, 9, 3), seed=4)
+    cfg = config(eos_token_id=-1)
+    got = opt.generate_batch(batch, generation_config=cfg)
+    assert [o.generated_tokens for o in got.values()] == [alone(ref, p, cfg) for p in batch]
+    assert last_batch_stats(opt).requests_finished == 3, "the paged engine served it (not padded batches)"
 
 
 def test_hybrid_engine_generate_batch_after_weight_update():

@@ -254,13 +254,13 @@ class FusedAttention(nn.Module):
         from hf_dsinfer.kernels.paged_attention import paged_attention, store_paged_kv
 
         s = self.spec
-        if self.alibi_slopes is not None or not s.causal:  # the serving engine refuses such models up front
-            raise RuntimeError("paged attention serves causal attention without ALiBi only")
+        if not s.causal:  # the serving engine refuses such models up front
+            raise RuntimeError("paged attention serves causal attention only")
         k_cache, v_cache = ctx.cache.layer(self.layer_idx)  # [NB, BS, Hk, D]
         store_paged_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens_k, s.scale,
-            softcap=s.softcap, sliding_window=s.sliding_window, plans=ctx.paged_plans,
+            softcap=s.softcap, sliding_window=s.sliding_window, plans=ctx.paged_plans, alibi_slopes=self.alibi_slopes,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

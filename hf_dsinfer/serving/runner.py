@@ -33,13 +33,20 @@ def unsupported_reason(model: nn.Module) -> str | None:
         spec = getattr(attn, "spec", None)
         if spec is None:
             return f"layer {type(layer).__name__} has no fused attention"
-        if spec.alibi_slopes is not None:
-            return "ALiBi attention (bloom) is not implemented over the paged cache"
+        if spec.alibi_slopes is not None and _triton_paged(model):
+            return "ALiBi attention (bloom) over the paged cache: its Triton kernels have no ALiBi (the torch path has)"
         if not spec.causal:
             return "non-causal attention"
         if attn.o.reduce is not None:
             return "tensor parallelism (the engine runs one rank)"
     return None
+
+
+def _triton_paged(model: nn.Module) -> bool:
+    """Whether the paged attention kernels would take their Triton path for ``model`` (on its device)."""
+    from hf_dsinfer.kernels.backend import use_triton
+
+    return use_triton(model.get_output_embeddings().weight)
 
 
 class PagedRunner:

@@ -300,3 +300,27 @@ def test_paged_torch_plans_shared_by_a_steps_layers(case, monkeypatch):
     q2, kc2, vc2, *_ = make_batch(H, KVH, 2 * D, BS, seqs, torch.float32, "cpu")  # another key size: its own plan
     paged_attention_torch(q2, kc2, vc2, bt, cu, lens, D**-0.5, cap, window, plans=plans)
     assert len(plans) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_paged_torch_alibi_matches_reference(case, dtype):
+    """ALiBi (bloom) over the paged cache, torch path: ``slope[h] * j`` for the key at position j of its sequence,
+    mixed prefill chunks and decode tokens, with the cases' windows and softcaps."""
+    from hf_dsinfer.policies.bloom import alibi_slopes
+
+    H, KVH, D, BS, seqs, window, cap = case
+    q, kc, vc, bt, cu, lens, _ = make_batch(H, KVH, D, BS, seqs, dtype, "cpu")
+    slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32)
+    ref = paged_attention_reference(q, kc, vc, bt, cu, lens, D**-0.5, cap, window, alibi_slopes=slopes)
+    got = paged_attention_torch(q, kc, vc, bt, cu, lens, D**-0.5, cap, window, alibi_slopes=slopes)
+    assert_close(got, ref, ATTENTION_TOL)
+    without = paged_attention_reference(q, kc, vc, bt, cu, lens, D**-0.5, cap, window)
+    assert not torch.allclose(without.float(), ref.float(), atol=1e-3)  # the bias matters at these lengths
+
+
+def test_paged_alibi_is_refused_by_the_triton_path(monkeypatch):
+    q, kc, vc, bt, cu, lens, _ = make_batch(4, 2, 16, 16, [(3, 3), (1, 9)], torch.float32, "cpu")
+    monkeypatch.setattr("hf_dsinfer.kernels.paged_attention._use_triton", lambda t: True)
+    with pytest.raises(ValueError, match="alibi_slopes: the Triton paged attention kernels have no ALiBi"):
+        paged_attention(q, kc, vc, bt, cu, lens, 0.25, alibi_slopes=torch.ones(4))
