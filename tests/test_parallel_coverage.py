@@ -223,7 +223,7 @@ def test_compiled_decode_step_adds_alibi_like_the_decode_kernel():
     """The sync-free decode step (compiled CPU decode) adds ``slope[h] * slot``, as ``decode_attention`` does."""
     from hf_dsinfer.kernels import decode_attention
 
-    from hf_dsinfer.modules.attention import AttentionSpec, StepContext, _sync_free_decode
+    from hf_dsinfer.modules.attention import AttentionSpec, StepContext, _sync_free_attend
     from hf_dsinfer.policies.bloom import alibi_slopes
 
     torch.manual_seed(0)
@@ -235,10 +235,11 @@ def test_compiled_decode_step_adds_alibi_like_the_decode_kernel():
     ctx = StepContext(None, torch.zeros(B, dtype=torch.int32), lens, torch.zeros(B), None, seq_lens=lens + 1)
     ctx.attend_len = 12
     spec = AttentionSpec(Hq, Hk, D, D**-0.5, rotary=False, alibi_slopes=tuple(slopes.tolist()))
-    got = _sync_free_decode(q, k, v, k_cache, v_cache, ctx, spec, slopes)  # stores k/v at slot lens[b]
+    one = (q[:, None], k[:, None], v[:, None], k_cache, v_cache, ctx, spec)  # one token per row
+    got = _sync_free_attend(*one, slopes)[:, 0]  # stores k/v at slot lens[b]
     want = decode_attention(q, k_cache, v_cache, lens + 1, D**-0.5, alibi_slopes=slopes)
     torch.testing.assert_close(got, want)
-    without = _sync_free_decode(q, k, v, k_cache, v_cache, ctx, spec)
+    without = _sync_free_attend(*one)[:, 0]
     assert not torch.allclose(without, want)  # the bias matters at these lengths
 
 

@@ -45,7 +45,6 @@ class DecodeStep:
         self.lm_head = model.get_output_embeddings()
         self._start: torch.Tensor | None = None
         self.compiled: CompiledCPUDecode | None = None
-        self.compile_cpu = compile_cpu
         self._verifiers: dict[int, CompiledCPUDecode] = {}  # tokens -> the compiled one-row verification step
         if compile_cpu:
             self.compiled = CompiledCPUDecode(self, batch_buckets(batch_sizes, max_batch_size))

@@ -109,7 +109,7 @@ def prompt_lookup_loop(
         proposer = None
     max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or 2)
     device = input_ids.device
-    step = call.state.step if call.state.step is not None and call.state.step.compile_cpu else None
+    step = call.state.step if call.state.step is not None and call.state.step.compiled is not None else None
     prompt_len = input_ids.shape[1]
     positions = model_kwargs.get("position_ids")
     start = int(positions[0, -1]) + 1 if positions is not None else prompt_len  # position of the first new token

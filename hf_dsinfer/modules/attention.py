@@ -271,20 +271,6 @@ class FusedAttention(nn.Module):
         )
 
 
-def _sync_free_decode(
-    q: torch.Tensor,  # [B, Hq, D] this step's queries
-    k: torch.Tensor,  # [B, Hk, D] this step's keys
-    v: torch.Tensor,  # [B, Hk, D]
-    k_cache: torch.Tensor,  # [Bmax, Hk, S, D]
-    v_cache: torch.Tensor,  # [Bmax, Hk, S, D]
-    ctx: StepContext,
-    spec: AttentionSpec,
-    alibi_slopes: torch.Tensor | None = None,  # [Hq] fp32 (bloom)
-) -> torch.Tensor:
-    """One token per row: :func:`_sync_free_attend` with ``T = 1``. Returns ``[B, Hq, D]``."""
-    return _sync_free_attend(q[:, None], k[:, None], v[:, None], k_cache, v_cache, ctx, spec, alibi_slopes)[:, 0]
-
-
 def _sync_free_attend(
     q: torch.Tensor,  # [B, T, Hq, D] this step's queries
     k: torch.Tensor,  # [B, T, Hk, D] this step's keys
