@@ -92,6 +92,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.created_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admitted into a step (queue time = this - created)
         self.first_token_time: float | None = None
         self.record_timestamps = False
         self.timestamps: list[float] = []  # time of each token (when record_timestamps)
@@ -100,6 +101,7 @@ class RequestHandle:
         self._done = threading.Event()
         self._on_update = on_update
         self._cancel: Callable[[RequestHandle], None] | None = None  # set by the engine
+        self._listeners: list[Callable[[RequestHandle], None]] = []  # the engine's finish_listeners
 
     # -- the consumer's side ---------------------------------------------------------------------------------------
 
@@ -160,6 +162,11 @@ class RequestHandle:
         self._done.set()
         self._stream.put(_END)
         self._notify([], True)
+        for listener in self._listeners:
+            try:
+                listener(self)
+            except Exception:  # noqa: BLE001 - an observer must not fail the step
+                logger.exception("hf_dsinfer serving: a finish listener of request %s raised; ignored", self.request_id)
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, tokens={len(self.tokens)}, finish_reason={self.finish_reason!r})"
@@ -215,6 +222,9 @@ class ServingEngine:
         self._stopping = False
         self._ids = itertools.count()
         self._fatal: BaseException | None = None
+        #: called as ``fn(handle)`` on the stepping thread when a request finishes (any reason); e.g. metrics.
+        #: Keep them short; one that raises is logged and skipped.
+        self.finish_listeners: list[Callable[[RequestHandle], None]] = []
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
@@ -248,6 +258,7 @@ class ServingEngine:
         handle = RequestHandle(rid, prompt, on_update)
         handle.record_timestamps = record_timestamps
         handle._cancel = self._request_cancel
+        handle._listeners = self.finish_listeners
         seq = Sequence(rid, prompt, params, handle)
         with self._wake:
             self._incoming.append(seq)

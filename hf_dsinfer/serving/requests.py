@@ -48,6 +48,32 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    # -- per-request settings of OpenAI / vLLM requests (vLLM's SamplingParams names; neutral defaults) -----------
+    #: OpenAI's penalties on the generated tokens so far: logit -= presence * (count > 0) + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: token id -> bias added to its logit before sampling (OpenAI's logit_bias, values in [-100, 100]).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: seeds this request's own torch.Generator (the same text alone and among other requests); None: torch's global.
+    seed: int | None = None
+    #: extra ids that finish the request (finish_reason "stop", the id included in the tokens, as vLLM).
+    stop_token_ids: frozenset[int] = frozenset()
+    #: EOS does not finish the request (it runs to max_new_tokens); EOS can still be sampled.
+    ignore_eos: bool = False
+    #: EOS and stop_token_ids are masked until this many tokens are generated (vLLM's min_tokens).
+    min_tokens: int = 0
+    #: log-probs to return per generated token: None none; 0 the sampled token's; k also the k most likely.
+    logprobs: int | None = None
+    #: log-probs of the prompt tokens (vLLM's prompt_logprobs): None none; k as logprobs.
+    prompt_logprobs: int | None = None
+    #: a structured-output constraint (``serving.structured``): has ``matcher()`` giving a per-request state with
+    #: ``allowed(vocab) -> BoolTensor [V]``, ``accept(token)``, ``is_terminated()``. None: unconstrained.
+    constraint: Any = None
+    #: transformers logits processors generate_batch builds from a GenerationConfig field the fields above do not
+    #: cover (no_repeat_ngram_size, bad_words_ids, ...): a callable giving a fresh LogitsProcessorList per request.
+    hf_processors: Any = None
+    #: transformers stopping criteria (stop_strings): a callable giving a fresh StoppingCriteriaList per request.
+    hf_criteria: Any = None
 
     @classmethod
     def from_generation_config(cls, config: Any, prompt_len: int, max_new_tokens: int | None = None) -> SamplingParams:

@@ -15,6 +15,7 @@ computed by another running request (same prompt, submitted together) waits for 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -192,6 +193,7 @@ class Scheduler:
             self.pending.setdefault(key, seq)
         seq.admissions += 1
         if seq.admissions == 1:  # a preempted request's readmission does not ask for its prompt again
+            seq.handle.scheduled_time = time.perf_counter()
             plan.prompt_tokens += len(seq.prompt)
             plan.prefix_hit_tokens += seq.num_computed
 
