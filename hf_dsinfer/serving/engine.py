@@ -225,6 +225,8 @@ class ServingEngine:
         #: called as ``fn(handle)`` on the stepping thread when a request finishes (any reason); e.g. metrics.
         #: Keep them short; one that raises is logged and skipped.
         self.finish_listeners: list[Callable[[RequestHandle], None]] = []
+        #: record every request's token times (``RequestHandle.timestamps``), as ``submit(record_timestamps=True)``.
+        self.record_timestamps = False
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
@@ -256,7 +258,7 @@ class ServingEngine:
             raise RuntimeError(f"the serving engine stopped after an error: {self._fatal!r}")
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
         handle = RequestHandle(rid, prompt, on_update)
-        handle.record_timestamps = record_timestamps
+        handle.record_timestamps = record_timestamps or self.record_timestamps
         handle._cancel = self._request_cancel
         handle._listeners = self.finish_listeners
         seq = Sequence(rid, prompt, params, handle)
