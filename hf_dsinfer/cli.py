@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
     argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # bench's options need torch (bench.py): `hf-dsinfer --help` stays free of it
-        from .bench_cli import add_bench_arguments
+        from .bench.cli import add_bench_arguments
 
         add_bench_arguments(p_bench)
     if "serve" in argv:  # like bench: the server module is imported only when serving
@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
         serve_main(args)
     elif args.command == "bench":
-        from .bench_cli import bench_main
-        from .bench_report import exit_code
+        from .bench.cli import bench_main
+        from .bench.report import exit_code
 
         return exit_code(bench_main(args))  # 1 when an hf_dsinfer contender failed
     return 0

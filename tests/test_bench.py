@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from hf_dsinfer.bench import PRESETS, build_random_model, markdown_table, preset_config
+from hf_dsinfer.bench.decode import PRESETS, build_random_model, preset_config
+from hf_dsinfer.bench.report import markdown_table, noisy_rows
 from hf_dsinfer.cli import main
 from hf_dsinfer.real_model import SMOLLM2_INSTALL, smollm2_available
 
@@ -45,7 +46,7 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
 def test_noisy_rows_are_flagged_and_plotted(tmp_path, capsys, caplog):
     import logging
 
-    import hf_dsinfer.bench as bench
+    import hf_dsinfer.bench.decode as bench
     from hf_dsinfer.log import LOGGER_NAME
 
     pytest.importorskip("matplotlib")
@@ -65,7 +66,7 @@ def test_noisy_rows_are_flagged_and_plotted(tmp_path, capsys, caplog):
             m.setattr(bench, "_timed", jittery)
             assert main(argv) == 0
     report = json.loads((tmp_path / "bench-tiny.json").read_text())
-    assert bench.noisy_rows(report), report["rows"]
+    assert noisy_rows(report), report["rows"]
     assert "(noisy)" in capsys.readouterr().out
     assert any("varied" in r.getMessage() for r in caplog.records)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -74,15 +75,15 @@ def test_noisy_rows_are_flagged_and_plotted(tmp_path, capsys, caplog):
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     import sys
 
-    import hf_dsinfer.bench as bench
+    import hf_dsinfer.bench.report as report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(SystemExit, match="pip install matplotlib"):
-        bench.write_plot({"rows": []}, str(tmp_path / "x.png"))
+        report.write_plot({"rows": []}, str(tmp_path / "x.png"))
 
 
 def test_failed_row_for_a_failing_peer(tmp_path, capsys, monkeypatch):
-    import hf_dsinfer.bench as bench
+    import hf_dsinfer.bench.decode as bench
 
     def broken(peer, model, args, device):
         raise RuntimeError("no such backend\nsecond line")
@@ -104,7 +105,7 @@ def test_failing_hf_dsinfer_fails_the_bench(tmp_path, capsys, monkeypatch):
     it, and the command exits 1."""
     matplotlib_axes = pytest.importorskip("matplotlib.axes")
 
-    import hf_dsinfer.bench as bench
+    import hf_dsinfer.bench.decode as bench
 
     real_prepare = bench._prepare
 
@@ -141,7 +142,7 @@ def test_failing_hf_dsinfer_fails_the_bench(tmp_path, capsys, monkeypatch):
 
 
 def test_token_agreement_line_covers_only_rows_that_ran():
-    from hf_dsinfer.bench import token_agreement_line
+    from hf_dsinfer.bench.report import token_agreement_line
 
     def row(peer, name, batch, match, failed=False):
         return dict(peer=peer, name=name, batch=batch, tokens_match=None if failed else match, failed=failed)
@@ -159,7 +160,7 @@ def test_token_agreement_line_covers_only_rows_that_ran():
 
 
 def test_noise_advice_fits_the_flags_given():
-    from hf_dsinfer.bench import noise_advice
+    from hf_dsinfer.bench.report import noise_advice
 
     assert noise_advice(1, 3) == "rerun with more --repeats (this run: 3) or on an idle machine"
     assert noise_advice(2, 5) == "rerun with more --repeats (this run: 5), --threads 1 or on an idle machine"
@@ -264,7 +265,7 @@ def test_bench_hybrid_engine_failure_fails_the_bench(tmp_path, capsys, monkeypat
 def test_token_disagreement_is_reported():
     import torch
 
-    from hf_dsinfer.bench import mark_token_agreement
+    from hf_dsinfer.bench.decode import mark_token_agreement
 
     same, other = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 8]])
     rows = [

@@ -9,7 +9,7 @@ import json
 import pytest
 from tiny_models import save_tiny
 
-from hf_dsinfer.bench_encoder import CONTENDERS, SENTENCES, markdown_table, run_encoder_bench
+from hf_dsinfer.bench.encoder import CONTENDERS, SENTENCES, markdown_table, run_encoder_bench
 from hf_dsinfer.cli import main
 
 
@@ -48,7 +48,7 @@ def test_bench_encoder_bad_arguments(bert_dir, tmp_path):
 
 def test_bench_encoder_failing_hf_dsinfer_fails_the_bench(bert_dir, tmp_path, capsys, monkeypatch, one_thread):
     """hf_dsinfer raising: its row is failed with the error, the HF rows still run, the command exits 1."""
-    import hf_dsinfer.bench_encoder as bench_encoder
+    import hf_dsinfer.bench.encoder as bench_encoder
 
     real = bench_encoder.load_embedder
 

@@ -223,7 +223,7 @@ def test_exports():
 
 
 def test_hybrid_bench_rows_on_cpu():
-    from hf_dsinfer.hybrid.bench import run_hybrid_bench
+    from hf_dsinfer.bench.hybrid import run_hybrid_bench
 
     rows = run_hybrid_bench("tiny", batch=2, prompt_len=8, new_tokens=4, device="cpu", dtype="fp32", iterations=1)
     assert [(r["mode"], r["peer"]) for r in rows] == [("full", "hf"), ("full", "hybrid"), ("lora", "peft"),

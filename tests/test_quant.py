@@ -401,8 +401,8 @@ def test_compiled_cpu_decode_step_equals_eager(saved, monkeypatch, quant):
 
 
 def test_bench_quant_contenders():
-    from hf_dsinfer.bench import BenchArgs, run_bench
-    from hf_dsinfer.bench_cli import _quant_peers
+    from hf_dsinfer.bench.cli import _quant_peers
+    from hf_dsinfer.bench.decode import BenchArgs, run_bench
 
     assert _quant_peers("int8, int4") == ("dsinfer-int8", "dsinfer-int4") and _quant_peers(None) == ()
     with pytest.raises(SystemExit, match="--quant takes int8, int4"):

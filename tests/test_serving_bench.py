@@ -10,7 +10,7 @@ import transformers
 from tiny_models import save_tiny
 
 import hf_dsinfer  # noqa: F401 - registers inference_config=
-from hf_dsinfer.serving.bench import arrivals, markdown, mixed_workload, run_manager, run_padded, write_plot
+from hf_dsinfer.bench.serving import arrivals, markdown, mixed_workload, run_manager, run_padded, write_plot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

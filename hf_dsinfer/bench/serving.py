@@ -1,6 +1,6 @@
 """Serving benchmark: continuous batching against transformers' ``generate_batch`` and our padded batches.
 
-``python -m hf_dsinfer.serving.bench --preset small`` (a ``hf_dsinfer.bench`` preset, random weights) runs:
+``python -m hf_dsinfer.bench.serving --preset small`` (a :mod:`hf_dsinfer.bench.decode` preset, random weights) runs:
 
 * **mixed**: ``--requests`` requests (prompt 16-256 tokens, 16-128 new tokens, fixed seed), all arriving at once and
   with Poisson arrivals (``--rate`` requests/s), for three contenders: ``hf_cb`` (transformers' continuous batching on
@@ -101,7 +101,7 @@ def run_padded(model: nn.Module, work: list[tuple[list, int]], offsets: list[flo
     """Fused ``generate`` on left-padded batches of :data:`PADDED_BATCH` in arrival order (a batch starts when its
     last request has arrived and the previous batch is done); each row counts only its own new tokens."""
     from ..generation.stats import last_generate_stats
-    from .padded import padded_generate_batch
+    from ..serving.padded import padded_generate_batch
 
     t0 = time.perf_counter()
     tokens, ttft = 0, []
@@ -123,7 +123,7 @@ def run_grpo(model: nn.Module, sharing: bool, seed: int, vocab: int) -> dict:
     """8 prompts x 8 sampled completions (64 new tokens) on our engine; prefill tokens computed, tokens/s."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from .hf_api import last_batch_stats
+    from ..serving.hf_api import last_batch_stats
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(64, 192))] for _ in range(8)]
@@ -155,8 +155,8 @@ def run_serve_bench(preset: str, requests: int, rate: float, repeats: int, threa
     """Every contender on one model shape; returns the report (see the module docstring)."""
     import transformers
 
-    from ..bench import preset_config, preset_model
     from ..integration.engine import init_inference
+    from .decode import preset_config, preset_model
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -242,9 +242,10 @@ def write_plot(report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hf_dsinfer.serving.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hf_dsinfer.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny",
-                   help="a hf_dsinfer.bench preset (random weights; smollm2-real: SmolLM2-135M's trained weights)")
+                   help="a hf_dsinfer.bench.decode preset (random weights; smollm2-real: SmolLM2-135M's trained "
+                   "weights)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--repeats", type=int, default=3)

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .bench_report import NOISY_SPREAD, noise_advice, write_report
-from .log import logger
+from ..log import logger
+from .report import NOISY_SPREAD, noise_advice, write_report
 
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf_dsinfer")
 
@@ -181,8 +181,8 @@ def run_encoder_bench(
     A contender that raises (loading, the fused-layer check, a run) gets a row with ``failed=True``, its ``error`` and
     no figures; the others still run. Ratios and the embedding difference need the contender they compare with.
     """
-    from .bench_report import error_text
-    from .policies.injection import is_injected
+    from ..policies.injection import is_injected
+    from .report import error_text
 
     use_st = _have_sentence_transformers() if use_st is None else use_st
     texts = list(sentences)

@@ -1,5 +1,5 @@
 """``hf-dsinfer bench``'s command line: its arguments and the dispatch to each mode (decode, ``--hybrid``,
-``--encoder``, ``--serve``, ``--lookup``). The decode benchmark itself is :mod:`hf_dsinfer.bench`."""
+``--encoder``, ``--serve``, ``--lookup``). The decode benchmark itself is :mod:`hf_dsinfer.bench.decode`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import torch
 
-from .bench import (
+from ..log import logger
+from .decode import (
     DEFAULT_REPEATS,
     DTYPES,
     PEERS,
@@ -18,7 +19,7 @@ from .bench import (
     BenchArgs,
     run_bench,
 )
-from .bench_report import (
+from .report import (
     NOISY_SPREAD,
     failed_rows,
     hybrid_table,
@@ -29,7 +30,6 @@ from .bench_report import (
     write_plot,
     write_report,
 )
-from .log import logger
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--encoder",
         action="store_true",
         help="sentence-embedding mode: HF eager vs HF sdpa vs hf_dsinfer on a BERT-family encoder, "
-        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench_encoder.py)",
+        "sentences/s and max abs diff of the pooled embeddings (hf_dsinfer/bench/encoder.py)",
     )
     p.add_argument(
         "--model",
@@ -93,13 +93,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serving mode: 64 mixed requests (all at once and Poisson arrivals) and a GRPO-shaped 8x8 workload on "
         "transformers' generate_batch, hf_dsinfer padded batches and hf_dsinfer continuous batching "
-        "(hf_dsinfer/serving/bench.py; --preset, --repeats, --threads, --out)",
+        "(hf_dsinfer/bench/serving.py; --preset, --repeats, --threads, --out)",
     )
     p.add_argument(
         "--lookup",
         action="store_true",
         help="prompt-lookup mode: a copy-heavy chat request on the real SmolLM2 model, plain greedy and "
-        "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench_lookup.py; --new-tokens, --repeats)",
+        "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench/lookup.py; --new-tokens, --repeats)",
     )
 
 
@@ -115,17 +115,17 @@ def _quant_peers(value: str | None) -> tuple[str, ...]:
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
     if getattr(ns, "encoder", False):
-        from .bench_encoder import encoder_bench_main
+        from .encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
     if getattr(ns, "serve", False):
-        from .serving.bench import main as serve_bench_main
+        from .serving import main as serve_bench_main
 
         argv = ["--preset", ns.preset, "--repeats", str(ns.repeats), "--out", ns.out]
         serve_bench_main(argv + (["--threads", str(ns.threads)] if ns.threads else []))
         return {}
     if getattr(ns, "lookup", False):
-        from .bench_lookup import lookup_bench_main
+        from .lookup import lookup_bench_main
 
         if ns.threads:
             torch.set_num_threads(ns.threads)
@@ -181,7 +181,7 @@ def bench_main(ns: argparse.Namespace) -> dict:
 
 def _hybrid_main(args: BenchArgs, out: str) -> dict:
     """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
-    from .hybrid.bench import run_hybrid_bench
+    from .hybrid import run_hybrid_bench
 
     rows = run_hybrid_bench(
         args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,

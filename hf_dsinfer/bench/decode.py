@@ -26,21 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench_report import (  # noqa: F401  (re-exported: bench's public names before the split)
-    NOISY_SPREAD,
-    error_text,
-    exit_code,
-    failed_rows,
-    hybrid_table,
-    is_ours,
-    markdown_table,
-    noise_advice,
-    noisy_rows,
-    token_agreement_line,
-    write_plot,
-    write_report,
-)
-from .log import logger
+from ..log import logger
+from .report import error_text
 
 _COMMON = dict(bos_token_id=1, eos_token_id=None, pad_token_id=0)
 # name -> (model_type, config overrides)
@@ -110,7 +97,7 @@ class BenchArgs:
 
 
 def _smollm2_real() -> str:
-    from .real_model import smollm2_path
+    from ..real_model import smollm2_path
 
     return smollm2_path()
 
@@ -166,7 +153,7 @@ def build_random_model(config, device: torch.device, dtype: torch.dtype, seed: i
 
 def decode_bytes(model: nn.Module, config, batch: int, context: float, dtype: torch.dtype) -> float:
     """Bytes one decode step reads: weights (less the gathered input embedding) plus the KV cache at ``context``."""
-    from .modules.quant_linear import QuantLinear
+    from ..modules.quant_linear import QuantLinear
 
     quantized = [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()]  # int weights, scales
     seen, total = set(), 0
@@ -241,11 +228,11 @@ def _prepare(peer: str, model: nn.Module, args: BenchArgs, device: torch.device)
         from transformers import CompileConfig
 
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-        from .hf_compat import compile_config_all_devices
+        from ..hf_compat import compile_config_all_devices
 
         cc = compile_config_all_devices(CompileConfig(mode=mode, fullgraph=False))  # else CUDA only
         return model, dict(cache_implementation="static", compile_config=cc)
-    from .integration.engine import init_inference
+    from ..integration.engine import init_inference
 
     quant = QUANT_PEERS[peer.removeprefix("dsinfer-")] if peer.startswith("dsinfer-") else None
     engine = init_inference(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .log import logger
+from ..log import logger
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
@@ -43,8 +43,8 @@ def run_lookup_bench(repeats: int = 3, new_tokens: int = 96, lookup: int = 10) -
     import transformers
     from transformers import CompileConfig
 
-    from .hf_compat import compile_config_all_devices
-    from .real_model import smollm2_path
+    from ..hf_compat import compile_config_all_devices
+    from ..real_model import smollm2_path
 
     path = smollm2_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -107,7 +107,7 @@ def lookup_table(report: dict[str, Any]) -> str:
 
 def lookup_bench_main(repeats: int, new_tokens: int, out: str) -> dict[str, Any]:
     """Run, print and write ``<out>/bench-lookup.{json,md}``; exits non-zero when a contender's tokens differ."""
-    from .bench_report import write_report
+    from .report import write_report
 
     report = run_lookup_bench(repeats=repeats, new_tokens=new_tokens)
     write_report(report, lookup_table(report), out, "bench-lookup")

@@ -46,7 +46,7 @@ def _peak_mib(device: torch.device) -> float | None:
 
 def _training_model(preset: str, device: torch.device, dtype: torch.dtype, lora_rank: int, seed: int) -> nn.Module:
     """A random-weight model of ``preset``; with ``lora_rank`` > 0, peft LoRA on every linear layer (non-zero B)."""
-    from ..bench import build_random_model, preset_config  # the shared shape presets
+    from .decode import build_random_model, preset_config  # the shared shape presets
 
     model = build_random_model(preset_config(preset), device, dtype, seed)
     if lora_rank <= 0:
@@ -100,10 +100,10 @@ def _row(
 def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
                 dtype: str, iterations: int, lora_rank: int, seed: int) -> list[dict]:  # fmt: skip
     """Both contenders of one training setup, alternating on one shared model; a row each."""
-    from ..bench_report import error_text
+    from ..hybrid.engine import HybridEngine
     from ..log import logger
     from ..policies import get_injection
-    from .engine import HybridEngine
+    from .report import error_text
 
     model = _training_model(preset, dev, DTYPES[dtype], lora_rank if mode == "lora" else 0, seed)
     g = torch.Generator().manual_seed(seed)
@@ -217,7 +217,7 @@ def run_hybrid_bench(
         try:
             rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed)
         except Exception as e:  # noqa: BLE001 - the setup failed (model, peft): both rows failed, the other setup runs
-            from ..bench_report import error_text
+            from .report import error_text
 
             peer = "peft" if mode == "lora" else "hf"
             error = f"setup: {error_text(e)}"

@@ -1,8 +1,8 @@
 """The bench commands' reports: the markdown table, failed and noisy rows, the greedy-token verdict, the plot, files.
 
-Shared by ``hf-dsinfer bench`` (hf_dsinfer/bench.py), ``bench --hybrid`` and ``bench --encoder``. A contender that
-raised is a row with ``failed=True`` and its ``error``: it is reported as failed, never left out or counted as agreeing,
-and a failed hf_dsinfer contender makes the command exit 1 (:func:`exit_code`).
+Shared by ``hf-dsinfer bench`` (hf_dsinfer/bench/decode.py), ``bench --hybrid`` and ``bench --encoder``. A contender
+that raised is a row with ``failed=True`` and its ``error``: it is reported as failed, never left out or counted as
+agreeing, and a failed hf_dsinfer contender makes the command exit 1 (:func:`exit_code`).
 """
 
 from __future__ import annotations
