@@ -25,7 +25,7 @@ from .embeddings import Embedder
 from .http_common import RequestError, json_body, param
 from .tokenize_routes import chat_prompt_ids
 
-__all__ = ["EmbeddingService"]
+__all__ = ["EmbeddingService", "build_embedding_server"]
 
 # Fields of the request: OpenAI's, then vLLM's extras. Anything else is refused by name.
 _FIELDS = {
@@ -75,7 +75,9 @@ class EmbeddingService:
             self._thread.start()
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, cancel_pending: bool = True, timeout: float = 30.0) -> None:
+        """Stop the worker after the batch it runs; requests still queued get a 503 (``cancel_pending`` is the
+        engine's argument: a stopped worker always answers what it leaves)."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -132,9 +134,21 @@ class EmbeddingService:
 
     # -- the route ---------------------------------------------------------------------------------------------------
 
-    def register(self, app: Any) -> None:
-        """Add ``POST /v1/embeddings`` to the FastAPI ``app``."""
+    def register(self, app: Any, generating: bool = False) -> None:
+        """Add ``POST /v1/embeddings`` to the FastAPI ``app``; unless the server also ``generating``, the completion
+        routes answer 400 naming ``--runner`` (as vLLM answers them on an embedding model)."""
         from fastapi import Request
+
+        if not generating:
+
+            @app.post("/v1/chat/completions")
+            @app.post("/v1/completions")
+            async def not_generating(request: Request) -> dict:
+                raise RequestError(
+                    f"The model '{self.model_name}' is an embedding model (served with --runner pooling): it answers "
+                    f"POST /v1/embeddings, not {request.url.path}; serve a generating model with --runner generate",
+                    param="model",
+                )  # fmt: skip
 
         @app.post("/v1/embeddings")
         async def embeddings(request: Request) -> dict:
@@ -308,3 +322,30 @@ def _truncate(ids: list[int], special: list[int] | None, keep: int, side: str) -
                            param="truncate_prompt_tokens")  # fmt: skip
     gone = set(content[len(content) - drop :] if side == "right" else content[:drop])
     return [t for i, t in enumerate(ids) if i not in gone]
+
+
+def build_embedding_server(path: str, inference_config: Any = None, *, served_model_name: str | None = None,
+                           max_model_len: int | None = None, pooler_config: dict | None = None,
+                           model_aliases: tuple[str, ...] = (), **server_kwargs: Any) -> Any:  # fmt: skip
+    """``hf-dsinfer serve --runner pooling``: load ``path`` as an :class:`Embedder` and put an ``OpenAIServer`` (not
+    started) in front of it. ``max_model_len`` may lower the folder's own input limit; ``server_kwargs`` go to the
+    server (api_key, CORS, ...)."""
+    import os
+
+    from .server import OpenAIServer  # the server imports this module: imported here, when serving
+
+    embedder = Embedder.from_pretrained(path, inference_config, pooler_config)
+    if max_model_len is not None:
+        if not 1 <= max_model_len <= embedder.max_model_len:
+            limit = embedder.max_model_len
+            raise ValueError(f"--max-model-len {max_model_len}: this embedding model takes at most {limit} tokens "
+                             f"per input; pass 1 to {limit}")  # fmt: skip
+        embedder.max_model_len = max_model_len
+    name = served_model_name or os.path.basename(os.path.normpath(path)) or path
+    aliases = tuple(({path, os.path.abspath(path), os.path.normpath(path)} | set(model_aliases)) - {name})
+    server_kwargs.pop("default_max_tokens", None)  # a generating setting
+    server = OpenAIServer(None, embedder.tokenizer, name, embedder=embedder, model_aliases=aliases, **server_kwargs)
+    logger.warning("hf_dsinfer serve: embedding model '%s' (%s, --runner pooling), pooling %s%s, at most %d tokens "
+                   "per input", name, path, "+".join(embedder.spec.modes), " + normalize" if embedder.spec.normalize
+                   else "", embedder.max_model_len)  # fmt: skip
+    return server
