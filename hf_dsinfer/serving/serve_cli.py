@@ -4,49 +4,155 @@ in front of a :class:`~hf_dsinfer.serving.ServingEngine` on it (the command line
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
+from ..log import logger
 from .engine import ServingEngine
 from .server import OpenAIServer
+from .sizing import model_context_limit, parse_bytes, plan_kv_cache
 
-__all__ = ["add_serve_arguments", "load_for_serving", "serve", "serve_main"]
+__all__ = ["add_serve_arguments", "load_for_serving", "serve", "serve_main", "serving_inference_config"]
+
+API_KEY_ENV = "HF_DSINFER_API_KEY"
 
 
-def load_for_serving(path: str, inference_config: Any = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of ``path`` with kernel injection: a checkpoint saved with an inference config reloads
-    with it; otherwise ``inference_config`` (an InferenceConfig, a dict or a JSON path; None: the defaults)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def serving_inference_config(path: str, inference_config: Any = None, max_model_len: int | None = None) -> Any:
+    """The InferenceConfig ``hf-dsinfer serve`` loads ``path`` with: ``inference_config`` (an InferenceConfig, a dict
+    or a JSON path; None: the one saved with the checkpoint, else the defaults), with ``max_out_tokens`` (the context)
+    set to ``max_model_len``, else to the config's own when it sets one, else to the model's limit
+    (:func:`~.sizing.model_context_limit`). Raises ``ValueError`` naming the option on a conflict."""
+    from transformers import AutoConfig
 
     from ..integration.config import InferenceConfig
 
-    saved = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    saved_method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
-    kwargs = {}
-    if inference_config is not None or str(saved_method) != "dsinfer":
-        kwargs["inference_config"] = InferenceConfig.from_any(inference_config)
+    hf_config = AutoConfig.from_pretrained(path)
+    saved = getattr(hf_config, "quantization_config", None)
+    saved = saved.to_dict() if hasattr(saved, "to_dict") else saved
+    from_user = inference_config is not None
+    if from_user:
+        cfg = InferenceConfig.from_any(inference_config)
+    elif isinstance(saved, dict) and str(saved.get("quant_method")) == "dsinfer":
+        cfg = InferenceConfig.from_any({k: v for k, v in saved.items() if k != "quant_method"})
+    else:
+        cfg = InferenceConfig()
+    explicit = "max_out_tokens" in cfg.to_diff_dict()
+    limit, source = model_context_limit(hf_config)
+    if max_model_len is not None:
+        if max_model_len < 1:
+            raise ValueError(f"--max-model-len {max_model_len}: pass a positive number of tokens")
+        if limit is not None and max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context, {limit} tokens "
+                             f"({source}): lower it")  # fmt: skip
+        if from_user and explicit and cfg.max_out_tokens != max_model_len:
+            raise ValueError(f"--max-model-len {max_model_len} and the inference config's max_out_tokens "
+                             f"{cfg.max_out_tokens} disagree: set the context in one place")  # fmt: skip
+        cfg.max_out_tokens = max_model_len
+    elif not explicit:
+        if limit is None:
+            limit = 2048
+            logger.warning("hf_dsinfer serve: %s; using a context of %d tokens (set --max-model-len)", source, limit)
+        cfg.max_out_tokens = limit
+    return cfg
+
+
+def load_for_serving(path: str, inference_config: Any = None, max_model_len: int | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of ``path`` with kernel injection and the context of :func:`serving_inference_config`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = serving_inference_config(path, inference_config, max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, inference_config=cfg)
     return model, tokenizer
 
 
-def serve(
+def build_server(
     path: str,
     inference_config: Any = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    *,
     served_model_name: str | None = None,
-    default_max_tokens: int = 256,
-    **engine_kwargs: Any,
-) -> None:
-    """Load ``path``, build a :class:`ServingEngine` (``engine_kwargs``: block_size, num_blocks, max_batch_tokens,
-    max_num_seqs, prefix_sharing) and serve it until interrupted. The model id is ``served_model_name`` or ``path``."""
-    model, tokenizer = load_for_serving(path, inference_config)
-    engine = ServingEngine(model, **engine_kwargs)
-    name = served_model_name or path
-    server = OpenAIServer(engine, tokenizer, name, default_max_tokens=default_max_tokens)
-    print(f"hf_dsinfer: serving '{name}' on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    max_model_len: int | None = None,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_batch_tokens: int = 256,
+    max_num_seqs: int = 64,
+    prefix_sharing: bool = True,
+    runner: str = "auto",
+    pooler_config: dict | None = None,
+    **server_kwargs: Any,
+) -> OpenAIServer:
+    """Load ``path`` and build the engine and server ``hf-dsinfer serve`` runs (not started); logs what it sized.
+    ``server_kwargs`` go to :class:`OpenAIServer` (default_max_tokens, api_key, max_num_queued_reqs, ...).
+    ``runner``: ``generate``, ``pooling`` (an embedding model: :func:`.embedding_routes.build_embedding_server`, with
+    vLLM's ``pooler_config``) or ``auto`` (pooling for a sentence-transformers folder or a model without an LM head)."""
+    from ..policies.injection import get_injection
+    from .embeddings import detect_runner
+
+    if runner not in ("auto", "generate", "pooling"):
+        raise ValueError(f"--runner {runner!r}: pass generate, pooling or auto")
+    if (detect_runner(path) if runner == "auto" else runner) == "pooling":
+        from .embedding_routes import build_embedding_server
+
+        return build_embedding_server(path, inference_config, served_model_name=served_model_name,
+                                      max_model_len=max_model_len, pooler_config=pooler_config,
+                                      **server_kwargs)  # fmt: skip
+
+    model, tokenizer = load_for_serving(path, inference_config, max_model_len)
+    record = get_injection(model)
+    if record is None:
+        raise ValueError(f"{path} loaded without fused layers (no kernel-injection policy applied): the serving "
+                         "engine needs them; see the warning above for the reason")  # fmt: skip
+    context = int(record.runtime.cache.max_tokens)
+    plan = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=context,
+                         max_batch_tokens=max_batch_tokens, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                         gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+    engine = ServingEngine(model, block_size=block_size, num_blocks=plan.num_blocks, max_batch_tokens=max_batch_tokens,
+                           max_num_seqs=max_num_seqs, prefix_sharing=prefix_sharing)  # fmt: skip
+    name = served_model_name or os.path.basename(os.path.normpath(path)) or path
+    aliases = tuple({path, os.path.abspath(path), os.path.normpath(path)} - {name})
+    server = OpenAIServer(engine, tokenizer, name, model_aliases=aliases, **server_kwargs)
+    logger.warning("hf_dsinfer serve: model '%s' (%s), context %d tokens, max_num_seqs %d; %s", name, path, context,
+                   max_num_seqs, plan.describe(context))  # fmt: skip
+    return server
+
+
+def serve(path: str, inference_config: Any = None, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> None:
+    """Load ``path``, build engine and server (:func:`build_server`'s ``kwargs``) and serve until SIGTERM / Ctrl-C,
+    then drain for ``shutdown_timeout`` seconds and return."""
+    server = build_server(path, inference_config, **kwargs)
+    print(f"hf_dsinfer: serving '{server.model_name}' on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
+          file=sys.stderr, flush=True)  # fmt: skip
     server.run(host, port)
+
+
+def _list(text: str | None) -> list[str] | None:
+    """A JSON list (vLLM's format) or comma-separated values."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{text!r} is not a JSON list ({e}); pass e.g. '[\"https://a.example\"]' or a,b") from e
+        return [str(v) for v in values]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _pooler_config(text: str | None) -> dict | None:
+    """``--pooler-config``: a JSON object (vLLM's keys ``pooling_type``, ``use_activation``)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--pooler-config is not valid JSON ({e}); pass e.g. '{{\"pooling_type\": \"MEAN\"}}'") from e
+    if not isinstance(value, dict):
+        raise SystemExit("--pooler-config must be a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}'")
+    return value
 
 
 def serve_main(args: Any) -> None:
@@ -58,24 +164,61 @@ def serve_main(args: Any) -> None:
         except json.JSONDecodeError as e:
             msg = f"--inference-config is not valid JSON ({e}); pass a JSON object or a JSON file path"
             raise SystemExit(msg) from e
-    serve(
-        args.model, config, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        default_max_tokens=args.default_max_tokens, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs, prefix_sharing=args.prefix_sharing,
-    )  # fmt: skip
+    try:
+        kv_memory = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+        serve(
+            args.model, config, host=args.host, port=args.port, served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len, kv_cache_memory=kv_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, default_max_tokens=args.default_max_tokens,
+            block_size=args.block_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs, prefix_sharing=args.prefix_sharing,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, allowed_origins=_list(args.allowed_origins),
+            allowed_methods=_list(args.allowed_methods), allowed_headers=_list(args.allowed_headers),
+            max_num_queued_reqs=args.max_num_queued_reqs, shutdown_timeout=args.shutdown_timeout,
+            runner=getattr(args, "runner", "auto"), pooler_config=_pooler_config(getattr(args, "pooler_config", None)),
+        )  # fmt: skip
+    except ValueError as e:  # a setting that cannot work, named in the message
+        raise SystemExit(f"hf-dsinfer serve: {e}") from e
 
 
 def add_serve_arguments(parser: Any) -> None:
-    """The options of ``hf-dsinfer serve``."""
-    parser.add_argument("model", help="model folder or hub id (a folder saved with an inference config reloads it)")
-    parser.add_argument("--inference-config", help="the inference config: a JSON object or a JSON file path")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", help="the model id clients send (default: the model argument)")
-    parser.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--num-blocks", type=int, help="KV blocks (default: max_out_tokens x max_batch_size tokens)")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="token budget of one engine step")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    parser.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
-                        help="do not share the KV blocks of identical prompt prefixes")  # fmt: skip
+    """The options of ``hf-dsinfer serve`` (vLLM's names where the option is the same)."""
+    add = parser.add_argument
+    add("model", help="model folder or hub id (a folder saved with an inference config reloads it)")
+    add("--inference-config", help="the inference config: a JSON object or a JSON file path")
+    add("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    add("--port", type=int, default=8000)
+    add("--served-model-name", help="the model id clients send (default: the model folder's name; the path given "
+        "is accepted too)")  # fmt: skip
+    add("--max-model-len", type=int, help="context length: prompt plus new tokens of one request (default: the "
+        "model's own, e.g. max_position_embeddings; sets the inference config's max_out_tokens)")  # fmt: skip
+    add("--default-max-tokens", type=int, default=256, help="new tokens of chat completions without max_tokens")
+    add("--runner", choices=("auto", "generate", "pooling"), default="auto", help="generate (chat, completions) or "
+        "pooling (an embedding model: /v1/embeddings); auto: pooling for a sentence-transformers folder or a model "
+        "without an LM head (default)")  # fmt: skip
+    add("--pooler-config", help="pooling runner, plain HF folders: a JSON object with pooling_type (CLS, MEAN, "
+        "LAST) and use_activation (L2-normalize); default: CLS for BERT-family encoders, else LAST; "
+        "normalized")  # fmt: skip
+    kv = parser.add_argument_group("KV cache (the first given decides; see docs/serving.md, Deployment)")
+    kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    kv.add_argument("--num-blocks", type=int, help="KV blocks, as many as this")
+    kv.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 2GiB or 2147483648")
+    kv.add_argument("--gpu-memory-utilization", type=float, help="GPU only: the share of the device's memory this "
+                    "server may use, weights included (default 0.9); the KV cache gets what is left")  # fmt: skip
+    sched = parser.add_argument_group("scheduling")
+    sched.add_argument("--max-batch-tokens", type=int, default=256, help="token budget of one engine step (default: "
+                       "256; longer prompts are prefilled in chunks)")  # fmt: skip
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default: 64)")
+    sched.add_argument("--max-num-queued-reqs", type=int, help="the most requests in flight, waiting plus running (n "
+                       "choices count n); past it a request gets 429 with Retry-After (default: no limit)")  # fmt: skip
+    sched.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
+                       help="do not share the KV blocks of identical prompt prefixes")  # fmt: skip
+    ops = parser.add_argument_group("operation")
+    ops.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+                     "/health and /metrics stay open)")  # fmt: skip
+    ops.add_argument("--allowed-origins", help="CORS: origins allowed from browsers, a JSON list or a,b (default: "
+                     "none, same-origin only)")  # fmt: skip
+    ops.add_argument("--allowed-methods", help="CORS: allowed methods (default: all, once origins are allowed)")
+    ops.add_argument("--allowed-headers", help="CORS: allowed headers (default: all, once origins are allowed)")
+    ops.add_argument("--shutdown-timeout", type=float, default=20.0, help="seconds running requests may take to "
+                     "finish after SIGTERM / Ctrl-C before they are cancelled (default: 20)")  # fmt: skip
