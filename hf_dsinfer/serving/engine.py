@@ -13,12 +13,17 @@ Example (what ``hf-dsinfer serve`` does)::
     for token_id in handle:          # new token ids as they are sampled; the loop ends when the request finishes
         print(tok.decode([token_id]), end="")
     print(handle.finish_reason)      # "stop" (an EOS token) or "length" (max_new_tokens)
+    sampled = GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.8)
+    seeded = engine.submit(tok("Hello").input_ids, sampled, seed=7, logprobs=5)  # SamplingParams fields on top
+    seeded.result(timeout=60)
+    print(seeded.logprobs[0].top)    # the 5 most likely (id, log-prob) at the first generated token
     engine.stop()
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -32,11 +37,12 @@ from torch import nn
 
 from ..log import logger
 from .omp import release_idle_openmp_workers
-from .requests import SamplingParams, Sequence
+from .requests import SamplingParams, Sequence, TokenLogprobs
 from .runner import PagedRunner
 from .scheduler import Scheduler
 
-#: Finish reasons a handle can end with. "stop": an EOS token (included in the tokens); "length": max_new_tokens;
+#: Finish reasons a handle can end with. "stop": an EOS token or one of ``stop_token_ids`` (included in the tokens),
+#: a structured-output constraint completed, or a transformers stopping criterion fired; "length": max_new_tokens;
 #: "cancelled": :meth:`RequestHandle.cancel` or :meth:`ServingEngine.stop` with ``cancel_pending``; "error": see
 #: :attr:`RequestHandle.error`.
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -82,13 +88,29 @@ class RequestHandle:
     """One submitted request: iterate it for its new token ids as they come; the iteration ends when it finishes.
 
     ``tokens``: the tokens generated so far; ``finish_reason`` (None while running): one of :data:`FINISH_REASONS`;
-    ``error``: the message when it failed. Safe to use from any thread.
+    ``stop_reason``: the stop token id that finished it ("stop" by one of ``stop_token_ids``; vLLM's field), else
+    None; ``error``: the message when it failed. ``params``: its :class:`~.requests.SamplingParams`.
+
+    Log-probs, when asked for (``SamplingParams.logprobs`` / ``prompt_logprobs``; None otherwise): ``logprobs[i]``
+    (a :class:`~.requests.TokenLogprobs`) belongs to ``tokens[i]`` and is there as soon as that token is (it is
+    appended first); ``prompt_logprobs[i]`` belongs to ``prompt_ids[i]`` (``[0]`` is None: the first token has no
+    prefix), set once before the first token. Safe to use from any thread.
     """
 
-    def __init__(self, request_id: str, prompt_ids: list[int], on_update: Callable[..., None] | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        on_update: Callable[..., None] | None = None,
+        params: SamplingParams | None = None,
+    ):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.params = params
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params is not None and params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.stop_reason: int | str | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.created_time = time.perf_counter()
@@ -136,12 +158,14 @@ class RequestHandle:
 
     # -- the engine's side -----------------------------------------------------------------------------------------
 
-    def _push(self, new_tokens: list[int]) -> None:
+    def _push(self, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
         if self.record_timestamps:
             self.timestamps.extend([now] * len(new_tokens))
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(logprobs)  # before the tokens: a reader that sees token i finds its log-probs
         self.tokens.extend(new_tokens)
         self._stream.put(new_tokens)
         self._notify(new_tokens, False)
@@ -235,29 +259,42 @@ class ServingEngine:
         input_ids: list[int],
         generation_config: Any = None,
         *,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         on_update: Callable[[RequestHandle, list[int], bool], None] | None = None,
         record_timestamps: bool = False,
+        tokenizer: Any = None,
+        **overrides: Any,
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (the request joins at the next step).
 
-        ``generation_config``: this request's settings (greedy or sampling with temperature / top_k / top_p / min_p
-        / repetition_penalty, ``max_new_tokens``, ``eos_token_id``); default: the engine's. One submit is one
-        sequence (``num_return_sequences`` is the caller's: submit the prompt again). ``on_update(handle,
-        new_tokens, finished)`` is called from the stepping thread after each step that changes the request (keep
-        it short; e.g. ``loop.call_soon_threadsafe`` for asyncio). Invalid settings or a request that can never fit
-        raise ``ValueError`` here.
+        The request's settings: ``sampling_params`` as given (what the HTTP layer builds), or else
+        ``SamplingParams.from_generation_config(generation_config or the engine's, prompt length, max_new_tokens,
+        tokenizer=tokenizer)`` (greedy or sampling with temperature / top_k / top_p / min_p, repetition_penalty,
+        min_new_tokens, eos_token_id, stop_strings with ``tokenizer``, and generate's other logits processors).
+        ``overrides``: :class:`~.requests.SamplingParams` fields set on top of either (``seed=``, ``logprobs=``,
+        ``stop_token_ids=``, ...). One submit is one sequence (``num_return_sequences`` is the caller's: submit the
+        prompt again). ``on_update(handle, new_tokens, finished)`` is called from the stepping thread after each
+        step that changes the request (keep it short; e.g. ``loop.call_soon_threadsafe`` for asyncio). Invalid
+        settings or a request that can never fit raise ``ValueError`` here.
         """
-        config = generation_config if generation_config is not None else self.generation_config
         prompt = [int(t) for t in input_ids]
-        params = SamplingParams.from_generation_config(config, len(prompt), max_new_tokens)
+        if sampling_params is not None:
+            if generation_config is not None or max_new_tokens is not None:
+                raise ValueError("submit: pass either sampling_params or generation_config / max_new_tokens, not both")
+            params = _replace(sampling_params, overrides)
+        else:
+            config = generation_config if generation_config is not None else self.generation_config
+            params = SamplingParams.from_generation_config(
+                config, len(prompt), max_new_tokens, tokenizer=tokenizer, **overrides
+            )
         self.runner.check_request(prompt, params)
         self.scheduler.check_fits(len(prompt) + params.max_new_tokens)
         if self._fatal is not None:
             raise RuntimeError(f"the serving engine stopped after an error: {self._fatal!r}")
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
-        handle = RequestHandle(rid, prompt, on_update)
+        handle = RequestHandle(rid, prompt, on_update, params)
         handle.record_timestamps = record_timestamps or self.record_timestamps
         handle._cancel = self._request_cancel
         handle._listeners = self.finish_listeners
@@ -423,3 +460,13 @@ class ServingEngine:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = ServingStats()
+
+
+def _replace(params: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
+    """``params`` with ``overrides`` set; an unknown name is a ``ValueError`` naming it."""
+    if not overrides:
+        return params
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise ValueError(f"unknown sampling settings {unknown}: the fields are those of SamplingParams")
+    return dataclasses.replace(params, **overrides)

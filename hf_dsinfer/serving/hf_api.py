@@ -10,6 +10,10 @@ transformers' own manager would call the fused forward with its paged cache, whi
 (block size, when set to something else than transformers' default of 256 tokens, which is tuned for its GPU kernels;
 the default here is 16). The others (CUDA graphs, compile levels, offloading) are ignored.
 
+Generation settings are honoured per request as ``generate`` honours them (min_new_tokens, no_repeat_ngram_size,
+bad_words_ids, stop_strings with ``tokenizer=`` as ``generate(tokenizer=...)``, ...: see
+:meth:`~.requests.SamplingParams.from_generation_config`); beam search and contrastive search are refused by name.
+
 Models the paged engine cannot serve exactly (:func:`~.runner.unsupported_reason`) get the padded fallback
 (:mod:`.padded`) for ``generate_batch``, with one warning.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import queue
 import threading
 import time
@@ -33,6 +38,7 @@ from ..log import logger, warn_once
 from ..policies.injection import get_injection
 from .engine import RequestHandle, ServingEngine, ServingStats
 from .padded import padded_generate_batch
+from .requests import SamplingParams
 from .runner import unsupported_reason
 
 ENGINE_ATTR = "_dsinfer_batch_engine"  # the engine generate_batch keeps on the model between calls
@@ -133,6 +139,7 @@ def run_generate_batch(
     continuous_batching_config: Any = None,
     record_timestamps: bool = False,
     max_new_tokens: int | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """The body of ``generate_batch`` on the paged engine (synchronous: this thread steps the engine)."""
     config = generation_config if generation_config is not None else model.generation_config
@@ -154,7 +161,7 @@ def run_generate_batch(
             try:
                 handles[name] = engine.submit(
                     prompt, config, request_id=name, max_new_tokens=max_new_tokens,
-                    record_timestamps=record_timestamps,
+                    record_timestamps=record_timestamps, tokenizer=tokenizer,
                 )  # fmt: skip
             except ValueError as e:
                 handles[name] = _failed(name, prompt, e)
@@ -186,11 +193,13 @@ def generate_batch(
 
     Same arguments and result as transformers': ``{request_id: GenerationOutput}`` in input order, children of
     ``num_return_sequences`` before their parent. ``progress_bar``, ``persistent_manager`` and ``warmup`` have no
-    effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway).
+    effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway). ``tokenizer=``:
+    as ``generate(tokenizer=...)``, needed for ``stop_strings``.
     """
     if not inputs:
         return {}
     max_new_tokens = kwargs.pop("max_new_tokens", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     if kwargs:
         logger.warning("hf_dsinfer generate_batch: ignoring unknown arguments %s", sorted(kwargs))
     reason = unsupported_reason(self)
@@ -205,9 +214,9 @@ def generate_batch(
         rows = max(1, int(getattr(state.cfg, "max_batch_size", 8) if state is not None else 8) // copies)
         device = self.get_output_embeddings().weight.device
         return padded_generate_batch(self.generate, inputs, config, rows=rows, device=device,
-                                     max_new_tokens=max_new_tokens)  # fmt: skip
+                                     max_new_tokens=max_new_tokens, tokenizer=tokenizer)  # fmt: skip
     return run_generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
-                              max_new_tokens)  # fmt: skip
+                              max_new_tokens, tokenizer)  # fmt: skip
 
 
 class _ThreadStatus:
@@ -287,13 +296,19 @@ class FusedContinuousBatchingManager:
         eos_token_id: int | list[int] | None = None,
         **logit_processor_kwargs: Any,
     ) -> str:
-        """Queue one prompt (and its ``num_return_sequences - 1`` children); returns its request id."""
+        """Queue one prompt (and its ``num_return_sequences - 1`` children); returns its request id.
+
+        ``logit_processor_kwargs``: per-request settings, as transformers' (``temperature``, ``top_k``, ``top_p``)
+        and any other :class:`~.requests.SamplingParams` field (``seed``, ``logprobs``, ...); others are ignored
+        with a warning, as transformers does.
+        """
         from transformers.generation.continuous_batching.requests import RequestStatus
 
-        if logit_processor_kwargs:
-            logger.warning(
-                "hf_dsinfer: per-request logits processor arguments %s are ignored", sorted(logit_processor_kwargs)
-            )
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        overrides = {k: v for k, v in logit_processor_kwargs.items() if k in known}
+        ignored = sorted(set(logit_processor_kwargs) - known)
+        if ignored:
+            logger.warning("hf_dsinfer: per-request logits processor arguments %s are ignored", ignored)
         if request_id is None:
             request_id = f"req_{self._counter}"
             self._counter += 1
@@ -314,7 +329,7 @@ class FusedContinuousBatchingManager:
             try:
                 self._handles[name] = self.engine.submit(
                     input_ids, config, request_id=name, max_new_tokens=max_new_tokens, on_update=on_update,
-                    record_timestamps=record_timestamps,
+                    record_timestamps=record_timestamps, **overrides,
                 )  # fmt: skip
             except ValueError as e:
                 logger.error("hf_dsinfer: request %s refused: %s", name, e)

@@ -25,12 +25,13 @@ def padded_generate_batch(
     device: torch.device | str,
     max_new_tokens: int | None = None,
     chunk_starts: Callable[[list[int]], list[int]] | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Generate for each prompt of ``inputs`` with ``generate(input_ids=, attention_mask=, generation_config=)``.
 
     ``rows``: prompts per call (the caller divides its batch capacity by ``num_return_sequences``).
     ``chunk_starts``: maps the list of chunk starts to the list to run (tensor parallelism: every rank makes the same
-    number of calls, a rank with fewer chunks adds empty ones).
+    number of calls, a rank with fewer chunks adds empty ones). ``tokenizer``: passed to ``generate`` (stop strings).
     """
     from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
@@ -39,6 +40,13 @@ def padded_generate_batch(
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     pad = config.pad_token_id if config.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
     extra: dict[str, Any] = {"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}
+    stop = None
+    if tokenizer is not None:
+        extra["tokenizer"] = tokenizer
+        if getattr(config, "stop_strings", None):  # where a stop string ended a row (generate pads after it)
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            stop = StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings)
     starts = list(range(0, len(inputs), max(1, rows)))
     if chunk_starts is not None:
         starts = chunk_starts(starts)
@@ -60,6 +68,9 @@ def padded_generate_batch(
             for j, name in enumerate(names):
                 tokens = seqs[i * copies + j]
                 end = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
+                if stop is not None:
+                    hits = (k + 1 for k in range(end) if bool(stop(torch.tensor([prompt + tokens[: k + 1]]), None)))
+                    end = next(hits, end)
                 results[name] = GenerationOutput(
                     request_id=name, prompt_ids=list(prompt), generated_tokens=tokens[:end],
                     status=RequestStatus.FINISHED,

@@ -3,7 +3,9 @@
 A step packs the scheduled tokens of all its requests into one row ``[1, T, C]`` (no padding): the policy embeds
 them, :meth:`Runtime.run_layers` runs the fused layers with a :class:`PagedStepContext` (each attention stores its
 keys/values into the paged cache through the slot mapping and attends through the block tables), and the LM head
-runs only on the last token of each request that has now computed all its tokens.
+runs only on the last token of each request that has now computed all its tokens (and on the prompt positions of
+requests asking for prompt log-probs). Each request's next token comes from its own settings
+(:func:`~.sampling.select_tokens`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from ..modules.attention import PagedStepContext
 from ..modules.kv_cache import PagedKVCache, _device_free_bytes
 from ..policies.injection import get_injection
 from .blocks import BlockManager
-from .requests import SamplingParams, Sequence
+from .requests import SamplingParams
+from .sampling import prompt_logprob_rows, record_prompt_logprobs, select_tokens
 from .scheduler import StepPlan
 
 
@@ -82,12 +85,17 @@ class PagedRunner:
         return -(-tokens // block_size)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """Refuse a prompt no step could run (empty, ids outside the vocabulary)."""
+        """Refuse a prompt no step could run (empty, ids outside the vocabulary) and token ids in the settings that
+        the model cannot produce."""
         if not prompt:
             raise ValueError("input_ids is empty: a prompt needs at least one token (e.g. the tokenizer's BOS)")
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.vocab:
             raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.vocab}) (min {lo}, max {hi})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = sorted(t for t in ids if t >= self.vocab)
+            if outside:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab}): {outside[:5]}")
 
     def _context(self, plan: StepPlan, device: torch.device) -> tuple[torch.Tensor, PagedStepContext]:
         """The step's ``input_ids [1, T]`` and its paged context."""
@@ -130,6 +138,12 @@ class PagedRunner:
         if runtime.rotary is not None and runtime.rotary.cos.device != hidden.device:
             runtime.rotary.to(hidden.device)
         hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+        head = model.get_output_embeddings()
+        where, owners = prompt_logprob_rows(plan.chunks, device)
+        if where:  # prompt log-probs: the LM head over those requests' prompt positions only
+            rows = hidden[0, torch.tensor(where, device=hidden.device)]  # [N, C]
+            logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [N, V]
+            record_prompt_logprobs(logits, owners)
         last, ready = [], []
         end = 0
         for seq, n in plan.chunks:
@@ -140,23 +154,5 @@ class PagedRunner:
         if not ready:
             return {}
         rows = hidden[0, torch.tensor(last, device=hidden.device)]  # [R, C]
-        logits = model.get_output_embeddings()(rows)  # [R, V]
-        logits = runtime.policy.finalize_logits(model, logits[:, None])[:, 0].float()  # [R, V] fp32
-        return {id(seq): tok for seq, tok in zip(ready, self._select(logits, ready))}
-
-    def _select(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token of each row of ``logits [R, V]``: argmax for greedy requests, the request's processors and a
-        multinomial draw (torch's global generator, as transformers' sampling) otherwise."""
-        out = logits.argmax(-1).tolist()  # [R]
-        for r, seq in enumerate(seqs):
-            if seq.params.greedy:
-                continue
-            if seq.processors is None:
-                seq.processors = seq.params.processors()
-            scores = seq.processors(seq.input_ids(logits.device), logits[r : r + 1])  # [1, V]
-            if seq.params.do_sample:
-                probs = torch.softmax(scores, dim=-1)
-                out[r] = int(torch.multinomial(probs, num_samples=1)[0, 0])
-            else:
-                out[r] = int(scores.argmax(-1)[0])
-        return out
+        logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [R, V] fp32
+        return {id(seq): tok for seq, tok in zip(ready, select_tokens(logits, ready))}

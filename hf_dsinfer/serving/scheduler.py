@@ -11,6 +11,11 @@ prompt blocks).
 Prefix sharing at admission: the request takes the registered blocks matching its leading tokens and computes only
 the rest (always at least its last token, whose logits give the next token). A request whose next block is being
 computed by another running request (same prompt, submitted together) waits for it instead of computing it twice.
+A request asking for prompt log-probs computes its whole prompt (it neither takes nor offers shared blocks).
+
+A request finishes (vLLM's order): a sampling failure of its own settings ("error"); once ``min_tokens`` are
+generated, one of its ``stop_token_ids`` ("stop", ``stop_reason`` the id) or EOS unless ``ignore_eos`` ("stop"); its
+constraint terminated or a transformers criterion fired ("stop"); ``max_new_tokens`` reached ("length").
 """
 
 from __future__ import annotations
@@ -170,7 +175,7 @@ class Scheduler:
     def _keys(self, seq: Sequence) -> list[bytes]:
         """Block keys of all of ``seq``'s tokens, computed once per token count (a waiting request is looked at
         every step)."""
-        if not self.prefix_sharing:
+        if not self.prefix_sharing or seq.params.prompt_logprobs is not None:
             seq.cacheable_len = len(seq.tokens)
             return []
         if seq.cacheable_len != len(seq.tokens) or not seq.block_keys:
@@ -263,16 +268,39 @@ class Scheduler:
             if token is None:
                 continue
             plan.sampled += 1
+            sampler = seq.sampler
+            if sampler is not None and sampler.error is not None:
+                self._retire(seq)
+                seq.handle._finish("error", sampler.error)
+                finished.append(seq)
+                continue
+            if sampler is not None and seq.params.prompt_logprobs is not None and seq.handle.prompt_logprobs is None:
+                seq.handle.prompt_logprobs = [None, *sampler.prompt_entries]
+            logprobs = None
+            if sampler is not None and sampler.pending_logprobs is not None:
+                logprobs, sampler.pending_logprobs = [sampler.pending_logprobs], None
             seq.tokens.append(token)
             seq.generated += 1
-            seq.handle._push([token])
-            reason = None
-            if token in seq.params.eos_token_ids:
-                reason = "stop"
-            elif seq.generated >= seq.params.max_new_tokens:
-                reason = "length"
+            seq.handle._push([token], logprobs)
+            reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._retire(seq)
                 seq.handle._finish(reason)
                 finished.append(seq)
         return finished
+
+    @staticmethod
+    def _finish_reason(seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` finishes after appending ``token`` (see the module docstring), or None."""
+        params = seq.params
+        if seq.generated >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.handle.stop_reason = token
+                return "stop"
+            if token in params.eos_token_ids and not params.ignore_eos:
+                return "stop"
+        if seq.sampler is not None and seq.sampler.stopped:
+            return "stop"
+        if seq.generated >= params.max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,278 @@
+"""The per-request logits pipeline of the serving engine: each request its own settings inside one batched step.
+
+:func:`select_tokens` takes the fp32 logits ``[R, V]`` of the requests that sample this step and applies, to each
+row, only what its request asked for, in this order (vLLM's and transformers' where they overlap):
+
+1. repetition penalty (transformers' definition: prompt and generated tokens; a logit > 0 divided, < 0 multiplied);
+2. presence / frequency penalties (OpenAI's: generated tokens only, ``logit -= presence * (count > 0) +
+   frequency * count``);
+3. ``logit_bias`` (added);
+4. ``min_tokens``: EOS and ``stop_token_ids`` masked while fewer tokens were generated;
+5. the structured-output constraint: tokens its matcher does not allow are masked;
+6. transformers' logits processors of the request (``hf_processors``);
+7. temperature, top-k, top-p, min-p (:func:`hf_dsinfer.kernels.filter_logits`: transformers' warpers, HF's order);
+8. the draw: argmax when greedy; otherwise the exponential race (``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``) with the
+   request's own ``torch.Generator`` when it has a seed (so its tokens do not depend on the other requests of the
+   step, nor on preemptions), else torch's global generator.
+
+Rows of plain greedy requests skip all of it: they take one batched argmax over the whole step, and the per-row work
+of the other rows touches only a copy of their own rows. Stages run batched over the rows that use them.
+
+Log-probs (:func:`token_logprobs`) come from ``log_softmax`` of the raw logits (before any of the above), as OpenAI
+and vLLM report them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_dsinfer.kernels import filter_logits
+
+from .requests import SamplingParams, Sequence, TokenLogprobs
+
+_NEG_INF = float("-inf")
+
+
+class RequestSampler:
+    """The sampling state of one request, made at its first step and kept across steps and preemptions: its seeded
+    generator, grammar matcher, transformers processors and criteria, and what the last step decided."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.error: str | None = None  # set when this request's own settings failed; it then ends with "error"
+        self.stopped = False  # the constraint terminated or a criterion fired: the request ends with "stop"
+        self.pending_logprobs: TokenLogprobs | None = None  # of the token sampled this step
+        self.prompt_entries: list[TokenLogprobs] = []  # prompt log-probs of positions 1.. computed so far
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        bias = dict(params.logit_bias)  # the last value of a repeated id wins
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None
+        stops = sorted(params.eos_token_ids | params.stop_token_ids)
+        self.min_ids = torch.tensor(stops, dtype=torch.long, device=device) if stops and params.min_tokens else None
+        self.matcher = self.processors = self.criteria = None
+        try:
+            if params.constraint is not None:
+                self.matcher = params.constraint.matcher()
+            if params.hf_processors is not None:
+                self.processors = params.hf_processors(device)
+            if params.hf_criteria is not None:
+                self.criteria = params.hf_criteria(device)
+        except Exception as e:  # noqa: BLE001 - this request fails, not the step
+            self.error = f"building the request's sampling state failed: {e!r}"
+
+    def plain(self, generated: int) -> bool:
+        """Whether the next token is the plain argmax of the raw logits."""
+        return self.params.greedy and (self.min_ids is None or generated >= self.params.min_tokens)
+
+
+def ensure_sampler(seq: Sequence, device: torch.device) -> RequestSampler:
+    if seq.sampler is None:
+        seq.sampler = RequestSampler(seq.params, device)
+    return seq.sampler
+
+
+def select_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The next token of each row of ``logits [R, V]`` (fp32, raw) for ``seqs``; records per request what it decided
+    (log-probs, stop, error) on its :class:`RequestSampler`. ``logits`` is not modified."""
+    device = logits.device
+    samplers = [ensure_sampler(s, device) for s in seqs]
+    picked = logits.argmax(-1)  # [R]: plain greedy rows are done here
+    slow = [r for r, (s, sm) in enumerate(zip(seqs, samplers)) if not sm.plain(s.generated) and sm.error is None]
+    dead: list[bool] = []
+    scores = None
+    if slow:
+        index = torch.tensor(slow, device=device)
+        rows = [seqs[r] for r in slow]
+        scores = _process(logits.index_select(0, index), rows)  # [S, V], a copy
+        picked = picked.index_copy(0, index, _draw(scores, rows))
+        alive = torch.isfinite(scores).any(-1)  # [S]: False when every token was masked
+        flat = torch.cat([picked, alive.long()]).tolist()
+        tokens, dead = flat[: len(seqs)], [not a for a in flat[len(seqs) :]]
+    else:
+        tokens = picked.tolist()
+    for j, r in enumerate(slow):
+        _after(seqs[r], tokens[r], scores[j : j + 1], dead[j])
+    wants = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+    if wants:
+        index = torch.tensor(wants, device=device)
+        entries = token_logprobs(logits.index_select(0, index), [tokens[r] for r in wants],
+                                 [seqs[r].params.logprobs for r in wants])  # fmt: skip
+        for r, entry in zip(wants, entries):
+            samplers[r].pending_logprobs = entry
+    return tokens
+
+
+def _process(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    """Stages 1-7 of the module docstring on ``scores [S, V]`` (each stage on the rows that use it)."""
+    S, V = scores.shape
+    dev = scores.device
+
+    def pick(cond) -> tuple[list[int], torch.Tensor | None]:
+        js = [j for j, s in enumerate(rows) if cond(s)]
+        return js, (torch.tensor(js, device=dev) if js else None)
+
+    # 1. repetition penalty, with the same scalar ops as transformers' processor (grouped by value)
+    for value in {s.params.repetition_penalty for s in rows} - {1.0}:
+        js, idx = pick(lambda s, v=value: s.params.repetition_penalty == v)
+        seen = _token_bag([s.tokens for s in (rows[j] for j in js)], V, dev, torch.bool)  # [n, V]
+        sub = scores[idx]
+        scores[idx] = torch.where(seen, torch.where(sub < 0, sub * value, sub / value), sub)
+    # 2. OpenAI's presence / frequency penalties on the generated tokens
+    js, idx = pick(lambda s: s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0)
+    if js:
+        counts = _token_bag([rows[j].tokens[len(rows[j].prompt) :] for j in js], V, dev, torch.float32)  # [n, V]
+        freq = torch.tensor([rows[j].params.frequency_penalty for j in js], device=dev)[:, None]
+        pres = torch.tensor([rows[j].params.presence_penalty for j in js], device=dev)[:, None]
+        scores[idx] = scores[idx] - freq * counts - pres * (counts > 0).float()
+    # 3. logit_bias, 4. min_tokens
+    _put(scores, [(j, s.sampler.bias_ids, s.sampler.bias_values) for j, s in enumerate(rows)
+                  if s.sampler.bias_ids is not None], accumulate=True)  # fmt: skip
+    _put(scores, [(j, s.sampler.min_ids, None) for j, s in enumerate(rows)
+                  if s.sampler.min_ids is not None and s.generated < s.params.min_tokens])  # fmt: skip
+    # 5. the constraint's mask, 6. transformers' processors (per row: their state is the request's)
+    for j, s in enumerate(rows):
+        sm = s.sampler
+        try:
+            if sm.matcher is not None:
+                allowed = sm.matcher.allowed(V).to(dev)  # [V] bool
+                scores[j] = scores[j].masked_fill(~allowed, _NEG_INF)
+            if sm.processors is not None:
+                scores[j : j + 1] = sm.processors(s.input_ids(dev), scores[j : j + 1])
+        except Exception as e:  # noqa: BLE001 - this request fails, not the step
+            sm.error = f"the request's logits processing failed: {e!r}"
+    # 7. the warpers of sampling rows (one call; per-row knobs only when the rows differ)
+    js, idx = pick(lambda s: s.params.do_sample)
+    if js:
+        knobs = [(s.params.temperature, s.params.top_k or 0, s.params.top_p or 1.0, s.params.min_p or 0.0)
+                 for s in (rows[j] for j in js)]  # fmt: skip
+        if len(set(knobs)) == 1:
+            t, k, p, m = knobs[0]
+        else:
+            t, k, p, m = (torch.tensor(col, device=dev) for col in zip(*knobs))
+        if len(set(knobs)) > 1 or knobs[0] != (1.0, 0, 1.0, 0.0):
+            scores[idx] = filter_logits(scores[idx], t, k, p, m)
+    return scores
+
+
+def _token_bag(token_lists: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, vocab]``: per list, whether each id occurs (bool) or how often (float). Ids >= vocab are dropped."""
+    width = max((len(t) for t in token_lists), default=0)
+    ids = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)  # padded with the dropped column
+    for i, t in enumerate(token_lists):
+        if t:
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long).clamp(max=vocab)
+    ids = ids.to(device)
+    bag = torch.zeros(len(token_lists), vocab + 1, dtype=dtype, device=device)
+    if dtype == torch.bool:
+        bag.scatter_(1, ids, True)
+    else:
+        bag.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
+    return bag[:, :vocab]
+
+
+def _put(scores: torch.Tensor, items: list[tuple[int, torch.Tensor, torch.Tensor | None]], accumulate=False) -> None:
+    """Per item ``(row, ids, values)``: ``scores[row, ids] += values`` (``accumulate``) or ``= -inf`` (values None),
+    all rows in one ``index_put_``."""
+    if not items:
+        return
+    rows = torch.cat([torch.full_like(ids, j) for j, ids, _ in items])
+    ids = torch.cat([ids for _, ids, _ in items])
+    if accumulate:
+        values = torch.cat([v for _, _, v in items])
+    else:
+        values = torch.full(ids.shape, _NEG_INF, device=scores.device)
+    scores.index_put_((rows, ids), values, accumulate=accumulate)
+
+
+def _draw(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    """``[S]``: argmax of greedy rows, the exponential race for sampling rows (own generator when seeded)."""
+    choice = scores.argmax(-1)
+    js = [j for j, s in enumerate(rows) if s.params.do_sample]
+    if not js:
+        return choice
+    sub = scores[torch.tensor(js, device=scores.device)]  # [n, V]
+    noise = torch.empty_like(sub)
+    unseeded = [i for i, j in enumerate(js) if rows[j].sampler.generator is None]
+    if unseeded:
+        draws = torch.empty(len(unseeded), sub.shape[1], device=sub.device).exponential_()
+        noise[torch.tensor(unseeded, device=sub.device)] = draws
+    for i, j in enumerate(js):
+        gen = rows[j].sampler.generator
+        if gen is not None:
+            noise[i].exponential_(generator=gen)  # V draws of this request's own stream, whatever else runs
+    race = sub - noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()  # log(p_i / E_i) up to a constant
+    return choice.index_copy(0, torch.tensor(js, device=scores.device), race.argmax(-1))
+
+
+def _after(seq: Sequence, token: int, scores: torch.Tensor, dead: bool) -> None:
+    """After sampling ``token`` for ``seq`` (a non-plain row): advance its matcher, check its criteria."""
+    sm = seq.sampler
+    if sm.error is not None:
+        return
+    if dead:
+        sm.error = "every token was masked (by the constraint or the logits processors): nothing can be generated"
+        return
+    try:
+        if sm.matcher is not None:
+            if sm.matcher.accept(token) is False:
+                sm.error = f"the constraint's matcher rejected token {token} it had allowed"
+                return
+            if sm.matcher.is_terminated():
+                sm.stopped = True
+        if sm.criteria is not None:
+            ids = torch.tensor([[*seq.tokens, token]], dtype=torch.long, device=scores.device)  # [1, L + 1]
+            if bool(sm.criteria(ids, scores).any()):
+                sm.stopped = True
+    except Exception as e:  # noqa: BLE001 - this request fails, not the step
+        sm.error = f"the request's constraint or stopping criteria failed: {e!r}"
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Log-probs of ``targets[i]`` under row ``i`` of the raw ``logits [N, V]``, with the ``ks[i]`` most likely."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    target = torch.tensor(targets, dtype=torch.long, device=logits.device)[:, None]  # [N, 1]
+    chosen = lsm.gather(1, target)  # [N, 1]
+    rank = (lsm > chosen).sum(-1) + 1  # [N]
+    k = max(ks)
+    top_v, top_i = lsm.topk(k, dim=-1) if k else (lsm[:, :0], lsm[:, :0].long())  # [N, k]
+    chosen_l, rank_l, top_vl, top_il = chosen[:, 0].tolist(), rank.tolist(), top_v.tolist(), top_i.tolist()
+    return [
+        TokenLogprobs(t, chosen_l[i], rank_l[i], tuple(zip(top_il[i][: ks[i]], top_vl[i][: ks[i]])))
+        for i, t in enumerate(targets)
+    ]
+
+
+def prompt_logprob_rows(plan_chunks: list[tuple[Sequence, int]], device: torch.device) -> tuple[list[int], list]:
+    """Where a step computes prompt log-probs: ``(positions in the packed step, [(seq, count)])`` for the requests
+    asking for them, covering their prompt positions ``p < P - 1`` not computed yet (position ``p`` gives the
+    log-prob of prompt token ``p + 1``)."""
+    where: list[int] = []
+    owners: list[tuple[Sequence, int]] = []
+    offset = 0
+    for seq, n in plan_chunks:
+        if seq.params.prompt_logprobs is not None:
+            sm = ensure_sampler(seq, device)
+            first = max(seq.num_computed, len(sm.prompt_entries))
+            last = min(seq.num_computed + n, len(seq.prompt) - 1)
+            if first < last and first == len(sm.prompt_entries):
+                where += range(offset + first - seq.num_computed, offset + last - seq.num_computed)
+                owners.append((seq, last - first))
+        offset += n
+    return where, owners
+
+
+def record_prompt_logprobs(logits: torch.Tensor, owners: list[tuple[Sequence, int]]) -> None:
+    """Append the prompt log-probs of ``logits [N, V]`` (rows in ``owners`` order) to each request's sampler."""
+    targets, ks = [], []
+    for seq, count in owners:
+        start = len(seq.sampler.prompt_entries) + 1
+        targets += seq.prompt[start : start + count]
+        ks += [seq.params.prompt_logprobs] * count
+    entries = token_logprobs(logits, targets, ks)
+    at = 0
+    for seq, count in owners:
+        seq.sampler.prompt_entries += entries[at : at + count]
+        at += count
