@@ -79,6 +79,9 @@ def _pooling_modes(config: dict, where: str) -> tuple[str, ...]:
 def _load_dense(folder: str) -> tuple[nn.Linear, nn.Module]:
     """A sentence-transformers ``Dense`` module: ``config.json`` (sizes, bias, a ``torch.nn`` activation) + weights."""
     config = _read_json(os.path.join(folder, "config.json"))
+    _check_sentence_embedding(config, folder)
+    if config.get("use_residual"):
+        raise ValueError(f"{folder}: a Dense module with use_residual is not supported here")
     linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
     weights = os.path.join(folder, "model.safetensors")
     if os.path.exists(weights):
@@ -94,6 +97,14 @@ def _load_dense(folder: str) -> tuple[nn.Linear, nn.Module]:
         raise ValueError(f"{folder}: Dense activation {name!r} is not a torch.nn module; only those load without code")
     activation = getattr(importlib.import_module(module_name), class_name)()
     return linear.float().eval(), activation
+
+
+def _check_sentence_embedding(config: dict, folder: str) -> None:
+    """Dense and Normalize act on the pooled vector here; one configured for token states is refused by name."""
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key) not in (None, "sentence_embedding"):
+            raise ValueError(f"{folder}: {key}={config[key]!r} is not supported here (modules after pooling act on "
+                             "the sentence embedding)")  # fmt: skip
 
 
 def read_pooling_spec(path: str) -> tuple[str, PoolingSpec | None, dict]:
@@ -120,6 +131,8 @@ def read_pooling_spec(path: str) -> tuple[str, PoolingSpec | None, dict]:
         elif kind == "Dense":
             dense.append(_load_dense(folder))
         elif kind == "Normalize":
+            config_file = os.path.join(folder, "config.json")
+            _check_sentence_embedding(_read_json(config_file) if os.path.isfile(config_file) else {}, folder)
             normalize = True
         else:
             raise ValueError(
