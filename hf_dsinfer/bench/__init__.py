@@ -5,8 +5,9 @@
 * :mod:`.encoder`: sentence embeddings (``--encoder``); :mod:`.lookup`: prompt lookup on the real SmolLM2
   (``--lookup``); :mod:`.hybrid`: generation inside a training loop (``--hybrid``);
 * :mod:`.serving`: continuous batching in process against transformers' ``generate_batch`` (``--serve``);
-* :mod:`.http_load` and :mod:`.http_peers`: any OpenAI-compatible server over HTTP, and ours beside
-  ``transformers serve`` and llama.cpp's server (``--serve-url``, ``--peers``);
+* :mod:`.http_load` (requests, timing, figures), :mod:`.http_bench` (sweeps, report) and :mod:`.http_peers`: any
+  OpenAI-compatible server over HTTP (``--serve-url``), or ours beside ``transformers serve`` and llama.cpp's server
+  started on the same model (``--serve-peers``);
 * :mod:`.report` and :mod:`.plots`: tables, JSON / markdown files and PNG plots; :mod:`.cli`: the command line.
 
 The kernel benchmarks stay beside their kernels (``python -m hf_dsinfer.kernels.bench``,

