@@ -289,3 +289,16 @@ def test_sigterm_drains_then_exits_0(tiny_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_every_serve_option_is_documented():
+    import argparse
+    from pathlib import Path
+
+    from hf_dsinfer.serving.serve_cli import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    assert not {f for f in flags if f"`{f}" not in doc}, "serve options missing from docs/serving.md"

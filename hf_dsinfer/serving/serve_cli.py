@@ -149,9 +149,9 @@ def _pooler_config(text: str | None) -> dict | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--pooler-config is not valid JSON ({e}); pass e.g. '{{\"pooling_type\": \"MEAN\"}}'") from e
+        raise SystemExit(f'--pooler-config is not valid JSON ({e}); pass e.g. \'{{"pooling_type": "MEAN"}}\'') from e
     if not isinstance(value, dict):
-        raise SystemExit("--pooler-config must be a JSON object, e.g. '{\"pooling_type\": \"MEAN\"}'")
+        raise SystemExit('--pooler-config must be a JSON object, e.g. \'{"pooling_type": "MEAN"}\'')
     return value
 
 
@@ -201,7 +201,8 @@ def add_serve_arguments(parser: Any) -> None:
         "normalized")  # fmt: skip
     kv = parser.add_argument_group("KV cache (the first given decides; see docs/serving.md, Deployment)")
     kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    kv.add_argument("--num-blocks", type=int, help="KV blocks, as many as this")
+    kv.add_argument("--num-blocks", type=int, help="KV blocks, as many as this (default: from the options below; on "
+                    "a CPU, --max-num-seqs x --max-model-len tokens, at most 1 GiB)")  # fmt: skip
     kv.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 2GiB or 2147483648")
     kv.add_argument("--gpu-memory-utilization", type=float, help="GPU only: the share of the device's memory this "
                     "server may use, weights included (default 0.9); the KV cache gets what is left")  # fmt: skip
