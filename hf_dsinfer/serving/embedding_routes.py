@@ -178,7 +178,8 @@ class EmbeddingService:
                                param="normalize")  # fmt: skip
         for name in body:
             if name not in _FIELDS:
-                raise RequestError(f"Unrecognized request argument supplied: {name}", param=name)
+                raise RequestError(f"Unrecognized request argument supplied: '{name}'; /v1/embeddings takes: "
+                                   f"{', '.join(sorted(_FIELDS))}", param=name)  # fmt: skip
         model = param(body, "model", str)
         if model is not None and model != self.model_name:
             raise RequestError(f"The model '{model}' does not exist: this server serves '{self.model_name}'",

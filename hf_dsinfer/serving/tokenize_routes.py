@@ -116,7 +116,8 @@ class TokenizeService:
                 continue
             if name in _CHAT_FIELDS:  # a chat option on a text prompt
                 raise RequestError(f"'{name}' applies to 'messages' (a chat), not to 'prompt'", param=name)
-            raise RequestError(f"Unrecognized request argument supplied: {name}", param=name)
+            raise RequestError(f"Unrecognized request argument supplied: '{name}'; this route takes: "
+                               f"{', '.join(sorted(fields))}", param=name)  # fmt: skip
         model = param(body, "model", str)
         if model is not None and model != self.model_name:
             raise RequestError(f"The model '{model}' does not exist: this server serves '{self.model_name}'",
