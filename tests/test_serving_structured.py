@@ -99,15 +99,19 @@ def tok():
     return AutoTokenizer.from_pretrained(smollm2_path())
 
 
-@pytest.fixture(scope="module")
-def closers(tok):
-    """Steering bias: + for tokens made only of closing characters (they end strings, arrays and objects), - for
-    whitespace-only tokens (the JSON grammar allows any whitespace between tokens, and random logits pick it often)."""
+def steering_bias(tok):
+    """[len(tok)] logit bias to end an output: + for tokens made only of closing characters (they end strings, arrays
+    and objects), - for whitespace-only tokens (JSON allows any whitespace between tokens; random logits pick it)."""
     texts = tok.batch_decode([[i] for i in range(len(tok))])
     bias = torch.zeros(len(tok))
     bias[[i for i, t in enumerate(texts) if t.strip() and set(t.strip()) <= set('"}])')]] = 50.0
     bias[[i for i, t in enumerate(texts) if t and not t.strip()]] = -50.0
     return bias
+
+
+@pytest.fixture(scope="module")
+def closers(tok):
+    return steering_bias(tok)
 
 
 def run(constraint, tok, closers, seed, free_steps=20, limit=400, vocab=V):
