@@ -88,19 +88,24 @@ def test_tokenize_messages_as_the_chat_route_does(served):
     text = tok.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
     assert open_ended["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(open_ended["tokens"]).endswith("Madrid is")
-    # A template of the request's own, with variables from chat_template_kwargs.
-    template = "{% for m in messages %}[{{ m.role }}|{{ tag }}] {{ m.content }}\n{% endfor %}"
-    status, custom = _post(
-        root + "/tokenize",
+    # Tools: rendered as the chat route renders them (SmolLM2's template ignores tools: they are written as text).
+    tools = [
         {
-            "messages": CHAT[:2],
-            "chat_template": template,
-            "chat_template_kwargs": {"tag": "T"},
-            "add_generation_prompt": False,
-        },
-    )
-    assert status == 200, custom
-    assert tok.decode(custom["tokens"]) == "[system|T] You are terse.\n[user|T] What is the capital of France?\n"
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    status, with_tools = _post(root + "/tokenize", {"messages": CHAT, "tools": tools})
+    assert status == 200, with_tools
+    assert with_tools["count"] > answer["count"] and "get_weather" in tok.decode(with_tools["tokens"])
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == with_tools["count"]
+    # Template variables the template does not use change nothing (as on the chat route).
+    assert _post(root + "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"unused": 1}})[1] == answer
 
 
 def test_detokenize(served):
@@ -126,10 +131,11 @@ def test_detokenize(served):
         ("/tokenize", {"messages": [{"content": "no role"}]}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
         ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
-         "continue_final_message"),
+         "add_generation_prompt"),
         ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
         ("/tokenize", {"messages": CHAT, "mm_processor_kwargs": {"a": 1}}, 400, "mm_processor_kwargs"),
-        ("/tokenize", {"messages": CHAT, "chat_template": "{% for m in messages %}{{ m.content"}, 400, "messages"),
+        ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),  # as the chat route
+        ("/tokenize", {"messages": CHAT, "tools": []}, 400, "tools"),
         ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),

@@ -215,12 +215,18 @@ class EmbeddingService:
         if side not in ("left", "right"):
             raise RequestError(f"'truncation_side' must be 'left' or 'right', got {side!r}", param="truncation_side")
         if has_messages:
+            if body.get("chat_template") is not None:  # as the chat route (and vLLM without its trust flag)
+                raise RequestError("'chat_template': a per-request Jinja template is refused, as by the chat route",
+                                   param="chat_template")  # fmt: skip
+            if getattr(e.tokenizer, "chat_template", None) is None:
+                raise RequestError("this model's tokenizer has no chat template: embed 'input' (text) instead",
+                                   param="messages")  # fmt: skip
             ids = chat_prompt_ids(
                 self.embedder.tokenizer, body["messages"],
                 add_generation_prompt=param(body, "add_generation_prompt", bool, False),  # vLLM's default here
                 continue_final_message=param(body, "continue_final_message", bool, False),
                 add_special_tokens=param(body, "add_special_tokens", bool, False),
-                chat_template=body.get("chat_template"), chat_template_kwargs=param(body, "chat_template_kwargs", dict),
+                chat_template_kwargs=param(body, "chat_template_kwargs", dict),
             )  # fmt: skip
             items: list[tuple[list[int], list[int] | None]] = [(ids, None)]
         else:

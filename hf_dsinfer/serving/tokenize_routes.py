@@ -18,72 +18,27 @@ __all__ = ["TokenizeService", "chat_prompt_ids"]
 _PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _CHAT_FIELDS = {
     "model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message", "add_special_tokens",
-    "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs",
-}  # fmt: skip
-# apply_chat_template arguments a request's chat_template_kwargs must not set (this layer sets or forbids them).
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation", "messages", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-    "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "chat_template", "chat_template_kwargs", "tools", "documents", "mm_processor_kwargs", "media_io_kwargs",
 }  # fmt: skip
 
 
-def _message(m: Any) -> dict:
-    """One chat message for the template: OpenAI's text parts (``[{"type": "text", "text": ...}]``) joined."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise RequestError("each message must be an object with a string 'role'", param="messages")
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise RequestError("message content parts must be text parts ({'type': 'text', 'text': ...}); this "
-                               "model takes text only", param="messages")  # fmt: skip
-        m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
-    elif content is not None and not isinstance(content, str):
-        raise RequestError("a message's 'content' must be a string or a list of text parts", param="messages")
-    return m
-
-
-def chat_prompt_ids(tokenizer: Any, messages: Any, *, add_generation_prompt: bool | None = True,
-                    continue_final_message: bool | None = False, add_special_tokens: bool = False,
-                    chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-                    tools: list | None = None) -> list[int]:  # fmt: skip
-    """The prompt token ids of a chat: ``tokenizer.apply_chat_template(messages, ...)`` as text, then tokenized with
-    ``add_special_tokens`` (false by default: the template writes them). With the defaults this is what
-    ``/v1/chat/completions`` feeds the model. Raises :class:`RequestError` (400) naming the bad field.
-
-    ``continue_final_message`` leaves the last message open (no generation prompt; asking for both is an error).
-    ``chat_template_kwargs`` reach the template as variables (vLLM's field).
+def chat_prompt_ids(tokenizer: Any, messages: Any, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    chat_template_kwargs: dict | None = None, tools: list | None = None,
+                    documents: list | None = None) -> list[int]:  # fmt: skip
+    """The prompt token ids ``/v1/chat/completions`` feeds the model for this chat: the same fields are validated by
+    the chat route's own parser (:func:`.protocol.parse_request`) and rendered by its own code
+    (:func:`.engine_requests.chat_prompt`: the chat template as text, then tokenized with ``add_special_tokens``,
+    tools written as text for templates that ignore them). Raises :class:`RequestError` (400) naming the bad field.
     """
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-    messages = [_message(m) for m in messages]
-    if continue_final_message and add_generation_prompt:
-        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
-                           param="continue_final_message")  # fmt: skip
-    if chat_template is not None and not isinstance(chat_template, str):
-        raise RequestError("'chat_template' must be a string (a Jinja template)", param="chat_template")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise RequestError("this model's tokenizer has no chat template: send 'prompt' (text), or a 'chat_template'",
-                           param="messages")  # fmt: skip
-    kwargs = chat_template_kwargs or {}
-    if not isinstance(kwargs, dict) or set(kwargs) & _RESERVED_TEMPLATE_KWARGS:
-        reserved = ", ".join(sorted(_RESERVED_TEMPLATE_KWARGS))
-        raise RequestError(f"'chat_template_kwargs' must be an object of template variables (not {reserved})",
-                           param="chat_template_kwargs")  # fmt: skip
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise RequestError("'tools' must be a list of tool objects", param="tools")
-    kwargs = dict(kwargs)
-    kwargs["add_generation_prompt"] = bool(add_generation_prompt)
-    kwargs["continue_final_message"] = bool(continue_final_message)
-    if tools:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as e:  # noqa: BLE001 - a template that cannot render these messages is the request's fault
-        raise RequestError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                           param="messages") from e  # fmt: skip
-    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    from .engine_requests import chat_prompt
+    from .protocol import parse_request
+
+    body = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "add_special_tokens": add_special_tokens,
+            "chat_template_kwargs": chat_template_kwargs, "tools": tools, "documents": documents}  # fmt: skip
+    request = parse_request({k: v for k, v in body.items() if v is not None}, chat=True)
+    return list(chat_prompt(request, tokenizer).ids[0])
 
 
 class TokenizeService:
@@ -140,12 +95,15 @@ class TokenizeService:
             continue_final = param(body, "continue_final_message", bool, False)
             # vLLM's default is true, unless the last message is continued (then false unless asked for).
             generation_prompt = param(body, "add_generation_prompt", bool, not continue_final)
+            if body.get("chat_template") is not None:  # as the chat route (and vLLM without its trust flag)
+                raise RequestError("'chat_template': a per-request Jinja template is refused, as by the chat route; "
+                                   "the model's own template renders the chat", param="chat_template")  # fmt: skip
             ids = chat_prompt_ids(
                 self.tokenizer, body["messages"], add_generation_prompt=generation_prompt,
                 continue_final_message=continue_final,
                 add_special_tokens=param(body, "add_special_tokens", bool, False),
-                chat_template=body.get("chat_template"),
                 chat_template_kwargs=param(body, "chat_template_kwargs", dict), tools=body.get("tools"),
+                documents=body.get("documents"),
             )  # fmt: skip
         strs = self.tokenizer.convert_ids_to_tokens(ids) if param(body, "return_token_strs", bool, False) else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
