@@ -298,3 +298,30 @@ def test_invalid_settings_are_refused_by_name_and_the_engine_stays_usable(pair):
     handle = engine.submit(prompt, sampling_params=params)
     engine.run_until_idle()
     assert handle.tokens == hf_greedy_loop(ref, prompt, 4, lambda x, g: x) and len(handle.logprobs) == 4
+
+
+# -- the warpers' top-p shortcut ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.05], ids=["peaked: the shortcut", "flat: the full sort"])
+def test_top_p_keeps_the_set_transformers_keeps(spread, monkeypatch):
+    from hf_dsinfer.serving import sampling
+
+    full_sorts: list[int] = []
+    real = sampling.filter_logits
+    monkeypatch.setattr(sampling, "filter_logits", lambda x, *a: (full_sorts.append(x.shape[0]), real(x, *a))[1])
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(1)) * spread
+    knobs = [(0.7, 0, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 0, 0.95, 0.0), (1.0, 0, 0.8, 0.0), (0.9, 5, 0.9, 0.0),
+             (1.0, 0, 1.0, 0.05)]  # fmt: skip
+    got = sampling.warp(logits.clone(), knobs)
+    # peaked: the four temperature / top-p rows take the shortcut; flat: their mass is spread too wide for it
+    assert full_sorts == ([2] if spread == 8.0 else [6])
+    for row, (t, k, p, m) in enumerate(knobs):
+        hf = transformers.LogitsProcessorList([transformers.TemperatureLogitsWarper(t)] if t != 1.0 else [])
+        hf += [transformers.TopKLogitsWarper(k)] if k else []
+        hf += [transformers.TopPLogitsWarper(p)] if p < 1.0 else []
+        hf += [transformers.MinPLogitsWarper(m)] if m else []
+        want = hf(None, logits[row : row + 1].clone())[0]
+        assert torch.equal(torch.isfinite(got[row]), torch.isfinite(want)), (spread, row)
+        kept = torch.isfinite(want)
+        assert torch.allclose(got[row][kept], want[kept]), "kept tokens keep their tempered logits"

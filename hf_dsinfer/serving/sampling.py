@@ -11,9 +11,9 @@ row, only what its request asked for, in this order (vLLM's and transformers' wh
 5. the structured-output constraint: tokens its matcher does not allow are masked;
 6. transformers' logits processors of the request (``hf_processors``);
 7. temperature, top-k, top-p, min-p (:func:`hf_dsinfer.kernels.filter_logits`: transformers' warpers, HF's order);
-8. the draw: argmax when greedy; otherwise the exponential race (``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``) with the
-   request's own ``torch.Generator`` when it has a seed (so its tokens do not depend on the other requests of the
-   step, nor on preemptions), else torch's global generator.
+8. the draw: argmax when greedy; otherwise the inverse of the cumulative distribution at one uniform number, drawn
+   from the request's own ``torch.Generator`` when it has a seed (so its tokens do not depend on the other requests
+   of the step, nor on preemptions), else from torch's global generator.
 
 Rows of plain greedy requests skip all of it: they take one batched argmax over the whole step, and the per-row work
 of the other rows touches only a copy of their own rows. Stages run batched over the rows that use them.
@@ -143,18 +143,59 @@ def _process(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
                 scores[j : j + 1] = sm.processors(s.input_ids(dev), scores[j : j + 1])
         except Exception as e:  # noqa: BLE001 - this request fails, not the step
             sm.error = f"the request's logits processing failed: {e!r}"
-    # 7. the warpers of sampling rows (one call; per-row knobs only when the rows differ)
+    # 7. the warpers of sampling rows
     js, idx = pick(lambda s: s.params.do_sample)
     if js:
         knobs = [(s.params.temperature, s.params.top_k or 0, s.params.top_p or 1.0, s.params.min_p or 0.0)
                  for s in (rows[j] for j in js)]  # fmt: skip
-        if len(set(knobs)) == 1:
-            t, k, p, m = knobs[0]
-        else:
-            t, k, p, m = (torch.tensor(col, device=dev) for col in zip(*knobs))
-        if len(set(knobs)) > 1 or knobs[0] != (1.0, 0, 1.0, 0.0):
-            scores[idx] = filter_logits(scores[idx], t, k, p, m)
+        scores[idx] = warp(scores[idx], knobs)
     return scores
+
+
+#: Candidates the top-p shortcut looks at: torch.topk of this many is ~20x cheaper than sorting 49k logits on CPU.
+TOP_P_CANDIDATES = 256
+
+
+def warp(scores: torch.Tensor, knobs: list[tuple[float, int, float, float]]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p of each row of ``scores [n, V]`` (``knobs[i] = (t, k, p, m)``; ``k=0``,
+    ``p=1``, ``m=0`` disable), as transformers' warpers in HF's order (:func:`~hf_dsinfer.kernels.filter_logits`).
+
+    Rows with only temperature and top-p take a shortcut when their kept set lies among their
+    :data:`TOP_P_CANDIDATES` most likely tokens (usual for trained models): the same rule (a token stays while the
+    probability of the tokens above it is < p) on ``torch.topk`` instead of a sort of the vocabulary. The others,
+    and the rows whose top-p mass is spread wider, go through ``filter_logits``.
+    """
+    n, V = scores.shape
+    out = scores
+    rest = list(range(n))
+    short = [i for i, (_, k, p, m) in enumerate(knobs) if k == 0 and m == 0.0 and p < 1.0]
+    if short and V > TOP_P_CANDIDATES:
+        idx = torch.tensor(short, device=scores.device)
+        t = torch.tensor([knobs[i][0] for i in short], device=scores.device)[:, None]
+        sub = scores[idx] / t  # [s, V]: the division TemperatureLogitsWarper makes
+        vals, ids = sub.topk(TOP_P_CANDIDATES, dim=-1)  # [s, K] descending
+        probs = torch.exp(vals.double() - torch.logsumexp(sub.double(), dim=-1, keepdim=True))  # [s, K]
+        above = probs.cumsum(-1) - probs  # probability of the tokens more likely than each one
+        p = torch.tensor([knobs[i][2] for i in short], dtype=torch.float64, device=scores.device)[:, None]
+        kept = torch.full_like(sub, _NEG_INF).scatter_(1, ids, vals.masked_fill(above >= p, _NEG_INF))
+        inside = (probs.sum(-1) >= p[:, 0] + 1e-6).tolist()  # the cut falls among the candidates
+        done = [i for i, ok in zip(short, inside) if ok]
+        if done:
+            out = scores.clone()
+            pos = torch.tensor([j for j, ok in enumerate(inside) if ok], device=scores.device)
+            out[torch.tensor(done, device=scores.device)] = kept[pos]
+            rest = [i for i in rest if i not in set(done)]
+    rest = [i for i in rest if knobs[i] != (1.0, 0, 1.0, 0.0)]
+    if rest:
+        sub_knobs = [knobs[i] for i in rest]
+        if len(set(sub_knobs)) == 1:
+            t, k, p, m = sub_knobs[0]
+        else:
+            t, k, p, m = (torch.tensor(col, device=scores.device) for col in zip(*sub_knobs))
+        idx = torch.tensor(rest, device=scores.device)
+        out = out.clone() if out is scores else out
+        out[idx] = filter_logits(scores[idx], t, k, p, m)
+    return out
 
 
 def _token_bag(token_lists: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -188,23 +229,27 @@ def _put(scores: torch.Tensor, items: list[tuple[int, torch.Tensor, torch.Tensor
 
 
 def _draw(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
-    """``[S]``: argmax of greedy rows, the exponential race for sampling rows (own generator when seeded)."""
+    """``[S]``: argmax of greedy rows; for sampling rows, a draw from ``softmax(scores)`` by inverting the cumulative
+    distribution at one uniform number per row (float64 sums), from the request's own generator when seeded."""
     choice = scores.argmax(-1)
     js = [j for j, s in enumerate(rows) if s.params.do_sample]
     if not js:
         return choice
-    sub = scores[torch.tensor(js, device=scores.device)]  # [n, V]
-    noise = torch.empty_like(sub)
+    dev = scores.device
+    where = torch.tensor(js, device=dev)
+    cdf = torch.softmax(scores[where], dim=-1).cumsum(-1, dtype=torch.float64)  # [n, V]
+    uniform = torch.empty(len(js), dtype=torch.float64, device=dev)
     unseeded = [i for i, j in enumerate(js) if rows[j].sampler.generator is None]
     if unseeded:
-        draws = torch.empty(len(unseeded), sub.shape[1], device=sub.device).exponential_()
-        noise[torch.tensor(unseeded, device=sub.device)] = draws
+        uniform[torch.tensor(unseeded, device=dev)] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
     for i, j in enumerate(js):
         gen = rows[j].sampler.generator
-        if gen is not None:
-            noise[i].exponential_(generator=gen)  # V draws of this request's own stream, whatever else runs
-    race = sub - noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()  # log(p_i / E_i) up to a constant
-    return choice.index_copy(0, torch.tensor(js, device=scores.device), race.argmax(-1))
+        if gen is not None:  # one number of this request's own stream per token, whatever else runs
+            uniform[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=gen)[0]
+    # u in (0, total]: the first index whose cumulative mass reaches u has a probability > 0
+    target = (1.0 - uniform) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None]).clamp_(max=scores.shape[1] - 1)[:, 0]
+    return choice.index_copy(0, where, picked)
 
 
 def _after(seq: Sequence, token: int, scores: torch.Tensor, dead: bool) -> None:
