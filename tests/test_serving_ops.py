@@ -179,6 +179,32 @@ def test_metrics_match_what_happened(served):
     assert "hf_dsinfer:spec_decode_num_draft_tokens_total" not in after  # no speculation in this engine
 
 
+def test_stop_string_counts_as_stop(served):
+    _, base, root = served
+    for prompt in ("The quick brown fox", "DeepSpeed inference", "Hello world"):
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        status, _, full = call(base + "/completions", body)
+        text = full["choices"][0]["text"]
+        # A character that first appears after the start: the text must end right before it.
+        ok = [ch for i, ch in enumerate(text) if i and ch.isprintable() and ch != "\ufffd" and ch not in text[:i]]
+        if status == 200 and ok:
+            stop = ok[0]
+            break
+    else:
+        pytest.skip("the tiny model's greedy texts have no usable stop string")
+    before = settled(root)
+    status, _, cut = call(base + "/completions", {**body, "stop": [stop]})
+    assert (
+        status == 200
+        and cut["choices"][0]["finish_reason"] == "stop"
+        and cut["choices"][0]["text"] == text[: text.find(stop)]
+    )
+    after = settled(root)
+    label = "hf_dsinfer:request_success_total{{finished_reason={}}}"
+    assert after[label.format("stop")] - before[label.format("stop")] == 1
+    assert after[label.format("abort")] == before[label.format("abort")]
+
+
 def test_backpressure_refuses_at_once(served):
     server, base, root = served
     results: list = []

@@ -25,7 +25,8 @@ __all__ = ["FINISHED_REASONS", "METRICS_INSTALL_HINT", "ServerMetrics"]
 METRICS_INSTALL_HINT = 'pip install -e ".[serve]" (prometheus-client)'
 
 PREFIX = "hf_dsinfer:"
-#: ``finished_reason`` label values (vLLM's): an engine handle's "cancelled" is vLLM's "abort".
+#: ``finished_reason`` label values (vLLM's): an engine handle's "cancelled" is vLLM's "abort", unless the HTTP layer
+#: cancelled it at a stop string (``handle.stop_reason`` set to the string first): that is "stop".
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 _REASON_LABEL = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
@@ -144,6 +145,8 @@ class ServerMetrics:
         """Finish listener: record one request's latencies, token counts and finish reason."""
         self._finished += 1
         reason = _REASON_LABEL.get(handle.finish_reason or "", "error")
+        if reason == "abort" and isinstance(getattr(handle, "stop_reason", None), str):
+            reason = "stop"  # the HTTP layer cut the text at a stop string, then cancelled the engine request
         self.success[reason].inc()
         end = handle.finished_time if handle.finished_time is not None else time.perf_counter()
         self.e2e.observe(max(0.0, end - handle.created_time))

@@ -83,6 +83,7 @@ class ChoiceState:
             self.text += piece
             self.ends.append(len(self.text))
             if piece and self.stops and self._cut_at_stop(len(piece)):
+                h.stop_reason = self.stop_reason  # set before cancelling: /metrics counts it as "stop", not "abort"
                 h.cancel()  # the engine stops generating for this choice before its next step
                 return
         if finished and self.consumed >= len(h.tokens):
