@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
+from .config import rollout_batch_rows
 from .engine import HybridEngine
 from .weights import unwrap_training_model
 
@@ -75,11 +76,16 @@ class HybridEngineCallback(TrainerCallback):
         callbacks.insert(index, self)
         return self
 
-    def attach(self, model: nn.Module) -> HybridEngine:
-        """Build the engine for ``model`` (once) and route ``model.generate`` through it."""
+    def attach(self, model: nn.Module, rollout_rows: int | None = None) -> HybridEngine:
+        """Build the engine for ``model`` (once) and route ``model.generate`` through it.
+
+        ``rollout_rows``: rows of one rollout batch; unless the inference config sets ``max_batch_size``, the static
+        cache and CUDA-graph buckets are sized for it (``on_train_begin`` passes the Trainer's generation batch)."""
         if self.engine is None or self.engine.training_model is not model:
             self.detach()
-            self.engine = HybridEngine(model, self.inference_config, **self.engine_kwargs)
+            kwargs = dict(self.engine_kwargs)
+            kwargs.setdefault("rollout_rows", rollout_rows)
+            self.engine = HybridEngine(model, self.inference_config, **kwargs)
         if not self._patched and self.engine.enabled:
             hf_model, peft_model = unwrap_training_model(model)
             targets = [m for m in (model, peft_model, hf_model) if m is not None]
@@ -133,7 +139,7 @@ class HybridEngineCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("HybridEngineCallback needs the model; the Trainer passes it to callbacks")
-        self.attach(model)
+        self.attach(model, rollout_batch_rows(args))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()

@@ -28,6 +28,7 @@ import torch
 from ..log import logger
 
 SECTION = "hybrid_engine"
+AUTO = "auto"  # enable_cuda_graph="auto": on for a CUDA inference copy
 
 # Keys accepted for compatibility that steer DeepSpeed machinery this engine does not have, and why.
 NO_EFFECT = {
@@ -178,11 +179,37 @@ def section_inference_fields(
     return out
 
 
-def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], training_dtype: torch.dtype) -> Any:
+MAX_ROLLOUT_ROWS = 256  # the largest batch bucket the Trainer callback sizes the inference copy for
+
+
+def rollout_batch_rows(args: Any) -> int | None:
+    """Rows of one rollout batch of a Trainer's ``args``: TRL's ``generation_batch_size`` (GRPO / RLOO: prompts x
+    completions per generation), else the larger per-device train / eval batch; None when ``args`` has none."""
+    rows = getattr(args, "generation_batch_size", None)
+    if not isinstance(rows, int) or rows < 1:
+        sizes = [getattr(args, n, None) for n in ("per_device_train_batch_size", "per_device_eval_batch_size")]
+        sizes = [s for s in sizes if isinstance(s, int) and s >= 1]
+        rows = max(sizes) if sizes else None
+    return min(rows, MAX_ROLLOUT_ROWS) if rows is not None else None
+
+
+def resolve_inference_config(
+    inference_config: Any,
+    kwargs: Mapping[str, Any],
+    training_dtype: torch.dtype,
+    device_type: str = "cpu",
+    rollout_rows: int | None = None,
+) -> Any:
     """An ``InferenceConfig`` for the engine. Given as None, a dict or a JSON path, ``dtype`` defaults to the training
-    weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given."""
+    weights' dtype and ``replace_with_kernel_inject`` to True; an ``InferenceConfig`` object is used as given.
+
+    Rollout defaults (dict / path / None only; an explicit value always wins): ``enable_cuda_graph`` unset or
+    ``"auto"`` is True on a CUDA ``device_type`` and False elsewhere; ``max_batch_size`` unset is ``rollout_rows``
+    (the Trainer's rollout batch, at most :data:`MAX_ROLLOUT_ROWS`) when that is larger than the default 8, so the
+    static cache and the CUDA-graph buckets cover the whole rollout batch.
+    """
     # Config parsing only; imported here because integration/ sits above hybrid/ in the layer order.
-    from ..integration.config import InferenceConfig, read_json_config
+    from ..integration.config import FIELDS, InferenceConfig, read_json_config
 
     if isinstance(inference_config, InferenceConfig):
         config = InferenceConfig.from_any(inference_config, **kwargs) if kwargs else inference_config
@@ -191,10 +218,16 @@ def resolve_inference_config(inference_config: Any, kwargs: Mapping[str, Any], t
     if isinstance(inference_config, (str, os.PathLike)):
         inference_config = read_json_config(inference_config, "inference_config")  # errors name the file
     raw = dict(inference_config or {})
-    keys = set(raw) | set(kwargs)
     extra = dict(kwargs)
+    keys = set(raw) | set(extra)
     if "dtype" not in keys:
         extra["dtype"] = training_dtype
     if not keys & {"replace_with_kernel_inject", "kernel_inject"}:
         extra["replace_with_kernel_inject"] = True
+    graphs = extra.get("enable_cuda_graph", raw.get("enable_cuda_graph", AUTO))
+    if isinstance(graphs, str) and graphs.strip().lower() == AUTO:
+        raw.pop("enable_cuda_graph", None)
+        extra["enable_cuda_graph"] = device_type == "cuda"  # the engine's copy decodes as CUDA graphs on a GPU
+    if "max_batch_size" not in keys and rollout_rows is not None and rollout_rows > FIELDS["max_batch_size"]:
+        extra["max_batch_size"] = int(rollout_rows)
     return InferenceConfig.from_any(raw, **extra)

@@ -82,6 +82,10 @@ class HybridEngine:
             its own random stream (see docs/hybrid.md). ``"hf"`` runs sampled requests through transformers' own
             loop on the inference copy (fused layers, static cache): HF's processors and draws from torch's global
             RNG in HF's order, so a seeded rollout reproduces HF ``generate``. Greedy requests always use the fast loop.
+        rollout_rows: rows of one rollout batch (the Trainer callback passes its generation batch): when the inference
+            config leaves ``max_batch_size`` unset, the static cache and CUDA-graph buckets are sized for it (<= 256).
+
+    Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
     ``he.eval(); he.generate(...); he.train()``, or ``with he.inference(): he.generate(...)``. ``he.stats`` holds
     per-iteration timings (:class:`~hf_dsinfer.hybrid.stats.HybridStats`).
@@ -96,6 +100,7 @@ class HybridEngine:
         device: torch.device | str | None = None,
         sampling: str = "fast",
         config: Any = None,
+        rollout_rows: int | None = None,
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -118,7 +123,11 @@ class HybridEngine:
                 release_inference_cache = self.settings.release_inference_cache
         # hybrid_engine.enabled=false (DeepSpeed's default): no inference copy, generate runs on the training model.
         self.enabled = self.settings is None or self.settings.enabled
-        self.config = resolve_inference_config(inference_config, config_kwargs, first.dtype)
+        self.device = torch.device(device) if device is not None else _local_device(first)
+        # Rollout defaults: CUDA graphs on for a CUDA copy, cache rows / graph buckets for the rollout batch.
+        self.config = resolve_inference_config(
+            inference_config, config_kwargs, first.dtype, self.device.type, rollout_rows
+        )
         # inference_tp_size > 1: the copy is split over an inference group of ranks (hybrid/tp.py); None: one rank
         self.tp = make_inference_tp(self.config, self.settings is not None) if self.enabled else None
         if self.config.checkpoint is not None:
@@ -131,7 +140,6 @@ class HybridEngine:
                 "the Hybrid Engine's inference config sets `quant`: a quantized inference copy needs kernel injection "
                 "and one inference rank (no inference_tp_size > 1); remove `quant` or those settings."
             )
-        self.device = torch.device(device) if device is not None else _local_device(first)
         self.release_inference_cache = bool(release_inference_cache)
         self.refresh_policy = refresh
         self.stats = HybridStats()
@@ -470,16 +478,9 @@ class HybridEngine:
             with state.lock or nullcontext():  # one static cache: concurrent calls take turns
                 # transformers' generate, bound to the inference copy (the cache under the installed keyword)
                 return state.hf_generate(*args, **hf_compat.normalize_cache_kwargs(kwargs))
-        step = getattr(state, "step", None)
-        compiled = getattr(step, "compiled", None)
-        if compiled is None or not self._request_flag(kwargs, "disable_compile"):
-            return self.module.generate(*args, **kwargs)
-        # disable_compile=True (TRL sets it): no torch.compile for this request, hf_dsinfer's compiled decode included.
-        step.compiled = None
-        try:
-            return self.module.generate(*args, **kwargs)
-        finally:
-            step.compiled = compiled
+        # TRL's disable_compile=True turns off transformers' torch.compile of the training model's forward; the
+        # engine owns how its copy runs, so its own decode step (compiled on CPU, graphs on CUDA) stays on.
+        return self.module.generate(*args, **kwargs)
 
     def _request_flag(self, kwargs: dict[str, Any], name: str) -> bool:
         """A generation flag of this request: from the call, else its generation config, else the model's."""
