@@ -55,6 +55,8 @@ CASES = {
     "sequence_bias": lambda free: dict(sequence_bias=[[[free[2][0]], -5.0], [[free[1][0], free[1][1]], -5.0]]),
     "forced_bos_token_id": lambda free: dict(forced_bos_token_id=7),
     "forced_eos_token_id": lambda free: dict(forced_eos_token_id=9, eos_token_id=9),
+    "exponential_decay_length_penalty": lambda free: dict(exponential_decay_length_penalty=(2, 1.6),
+                                                          eos_token_id=[free[1][6], free[3][7]]),  # fmt: skip
     "with_repetition_penalty": lambda free: dict(no_repeat_ngram_size=2, repetition_penalty=1.3,
                                                  sequence_bias=[[[free[0][0]], 2.0]]),  # fmt: skip
 }
