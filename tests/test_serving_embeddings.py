@@ -301,3 +301,25 @@ def test_plain_folder_pools_as_vllm_and_matryoshka(tiny_bert, tmp_path):
     assert shrunk.matryoshka == [8, 16]
     got = shrunk.finish(shrunk.embed([tok(t)["input_ids"] for t in TEXTS]), 8, None)
     assert (got - torch.nn.functional.normalize(hidden[:, 0, :8], dim=-1)).abs().max() < FP32_NOISE
+
+
+def test_decoder_pooled_as_vllm_embeds_a_generating_model(tmp_path):
+    """``--runner pooling`` on a decoder (vLLM's as_embedding_model): last token, normalized; rows are left-padded
+    for the fused decoder layers and each equals HF's eager model run on that row alone."""
+    from tiny_models import save_tiny
+    from transformers import AutoModel, AutoTokenizer
+
+    path = save_tiny("llama", tmp_path / "llama")
+    assert detect_runner(path) == "generate"  # an LM head: generating unless --runner pooling
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    eager = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        alone = [eager(input_ids=torch.tensor([i])).last_hidden_state[0] for i in ids]  # each [T_i, C]
+    last = Embedder.from_pretrained(path, {"dtype": "fp32"})
+    assert is_injected(last.model) and last.spec.modes == ("lasttoken",) and last.spec.normalize
+    ref = torch.nn.functional.normalize(torch.stack([h[-1] for h in alone]), dim=-1)
+    assert (last.finish(last.embed(ids), None, None) - ref).abs().max() < FP32_NOISE
+    mean = Embedder.from_pretrained(path, {"dtype": "fp32"}, {"pooling_type": "MEAN", "use_activation": False})
+    ref = torch.stack([h.mean(0) for h in alone])
+    assert (mean.finish(mean.embed(ids, max_batch_tokens=32), None, None) - ref).abs().max() < FP32_NOISE

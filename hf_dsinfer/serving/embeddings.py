@@ -41,8 +41,13 @@ _LEGACY_MODE_KEYS = {
 VLLM_POOLING_TYPES = {"CLS": "cls", "MEAN": "mean", "LAST": "lasttoken"}
 #: Architectures that generate text: a folder whose architectures are all something else is an encoder to pool.
 _GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForSeq2SeqLM")
-#: Encoder families whose vLLM default pooler is ``CLS``; every other plain model is pooled at its last token.
-_CLS_FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "camembert", "electra", "modernbert", "nomic_bert")
+#: Encoder families: right-padded (absolute positions count from column 0), and vLLM's default pooler is ``CLS``.
+#: Every other model is taken as a decoder: left-padded (the fused decoder layers take left padding only; positions
+#: start at each row's first real token) and pooled at its last token by default.
+_ENCODER_FAMILIES = (
+    "bert", "roberta", "xlm-roberta", "distilbert", "camembert", "electra", "modernbert", "nomic_bert", "mpnet",
+    "albert", "deberta", "deberta-v2", "new",
+)  # fmt: skip
 
 
 @dataclass
@@ -149,7 +154,7 @@ def _default_spec(model_type: str, pooler_config: dict) -> PoolingSpec:
     unknown = sorted(set(pooler_config) - {"pooling_type", "use_activation"})
     if unknown:
         raise ValueError(f"pooler_config: '{unknown[0]}' is not supported here (pooling_type and use_activation are)")
-    kind = pooler_config.get("pooling_type") or ("CLS" if model_type in _CLS_FAMILIES else "LAST")
+    kind = pooler_config.get("pooling_type") or ("CLS" if model_type in _ENCODER_FAMILIES else "LAST")
     if kind not in VLLM_POOLING_TYPES:
         raise ValueError(f"pooler_config: pooling_type {kind!r} is not one of {', '.join(VLLM_POOLING_TYPES)}")
     normalize = pooler_config.get("use_activation")
@@ -167,7 +172,7 @@ def detect_runner(path: str) -> str:
     architectures = getattr(config, "architectures", None) or []
     if architectures and not any(a.endswith(_GENERATIVE_SUFFIXES) for a in architectures):
         return "pooling"
-    if not architectures and config.model_type in _CLS_FAMILIES:
+    if not architectures and config.model_type in _ENCODER_FAMILIES:
         return "pooling"
     return "generate"
 
@@ -212,6 +217,7 @@ class Embedder:
         self.model, self.tokenizer, self.spec = model.eval(), tokenizer, spec
         self.max_model_len, self.do_lower_case = max_model_len, do_lower_case
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.left_pad = model.config.model_type not in _ENCODER_FAMILIES  # see _ENCODER_FAMILIES
         device = next(model.parameters()).device
         spec.dense = [(linear.to(device), activation) for linear, activation in spec.dense]
         config = model.config
@@ -271,7 +277,8 @@ class Embedder:
         """Pooled vectors (pooling and Dense layers, not normalized) of each token list: ``[N, dimension]`` fp32.
 
         Rows are sorted by length and run in forwards of at most ``max_batch_tokens`` padded tokens (one row at
-        least), right-padded with an attention mask.
+        least), with an attention mask: right-padded for encoders, left-padded for decoders (then the rows are
+        shifted back before pooling, so pooling always sees right-padded rows).
         """
         order = sorted(range(len(token_lists)), key=lambda i: -len(token_lists[i]))
         out = torch.empty(len(token_lists), self.dimension)
@@ -283,10 +290,15 @@ class Embedder:
             chunk = order[start : start + rows]
             ids = torch.full((rows, width), self.pad_id, dtype=torch.long)  # [B, T]
             lengths = torch.tensor([len(token_lists[i]) for i in chunk])  # [B]
+            columns = torch.arange(width)  # [T]
+            shift = (width - lengths) if self.left_pad else torch.zeros_like(lengths)  # [B]: padding before the row
             for r, i in enumerate(chunk):
-                ids[r, : len(token_lists[i])] = torch.tensor(token_lists[i])
-            mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
-            hidden = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+                ids[r, shift[r] : shift[r] + lengths[r]] = torch.tensor(token_lists[i])
+            mask = ((columns[None, :] >= shift[:, None]) & (columns[None, :] < (shift + lengths)[:, None])).long()
+            hidden = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state  # [B,T,C]
+            if self.left_pad:  # row r's tokens start at column shift[r]: gather them to the front
+                index = ((columns[None, :] + shift[:, None]) % width).to(device)  # [B, T]
+                hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
             pooled = pool(hidden.float(), lengths.to(device), self.spec.modes)  # [B, C * modes]
             for linear, activation in self.spec.dense:
                 pooled = activation(linear(pooled))
