@@ -85,6 +85,12 @@ class HybridEngine:
         rollout_rows: rows of one rollout batch (the Trainer callback passes its generation batch): when the inference
             config leaves ``max_batch_size`` unset, the static cache and CUDA-graph buckets are sized for it (<= 256).
 
+        logp_probe_rows: > 0 turns on the ``logp_diff`` probe (off by default): at each ``eval()`` (refreshed or
+            skipped by ``refresh="auto"``), the first ``generate`` call's first rows are scored by the inference copy
+            and the training model; the mean absolute difference of the generated tokens' log-probs goes to
+            ``stats.last.logp_diff`` (stale weights show at once). Costs two teacher-forced forwards of those rows
+            per iteration. One inference rank only.
+
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
     ``he.eval(); he.generate(...); he.train()``, or ``with he.inference(): he.generate(...)``. ``he.stats`` holds
@@ -101,6 +107,7 @@ class HybridEngine:
         sampling: str = "fast",
         config: Any = None,
         rollout_rows: int | None = None,
+        logp_probe_rows: int = 0,
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -110,6 +117,9 @@ class HybridEngine:
                 f"sampling={sampling!r}: use 'fast' (hf_dsinfer's loop, same distribution as HF) or 'hf' "
                 "(transformers' sampling loop on the inference copy: HF's random stream, rollouts reproducible vs HF)"
             )
+        if isinstance(logp_probe_rows, bool) or not isinstance(logp_probe_rows, int) or logp_probe_rows < 0:
+            raise ValueError(f"logp_probe_rows must be an integer >= 0 (0: probe off), got {logp_probe_rows!r}")
+        self.logp_probe_rows = logp_probe_rows
         self.sampling = sampling
         self.training_model = model
         self.weights = TrainingWeights(model)
@@ -451,7 +461,23 @@ class HybridEngine:
                 width = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 0
                 it.samples += seqs.shape[0]
                 it.new_tokens += seqs.shape[0] * max(0, seqs.shape[1] - width)
+                if self.logp_probe_rows and it.generate_calls == 1 and isinstance(prompt, torch.Tensor):
+                    it.logp_diff = self._probe(seqs, prompt, kwargs)
         return out
+
+    def _probe(self, seqs: torch.Tensor, prompt: torch.Tensor, kwargs: dict[str, Any]) -> float | None:
+        """The ``logp_diff`` probe on this call's first rows (see :mod:`.probe`); None where it cannot run."""
+        if self.module is None or self.tp is not None:
+            return None
+        from .probe import logp_diff
+
+        mask = kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) and mask.shape == prompt.shape else torch.ones_like(prompt)
+        gen_config = resolve_generation_config(self.module, kwargs)
+        sampled = gen_config is not None and gen_config.do_sample
+        temperature = float(gen_config.temperature or 1.0) if sampled else 1.0
+        training = self.weights.peft_model or self.weights.hf_model
+        return logp_diff(self.module, training, seqs, mask, self.logp_probe_rows, temperature)
 
     def generate_batch(self, inputs: list[list[int]], generation_config: Any = None, **kwargs: Any) -> dict[str, Any]:
         """transformers' ``generate_batch`` (continuous batching) API, run by the engine's ``generate`` on left-padded

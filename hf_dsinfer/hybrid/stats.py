@@ -29,6 +29,7 @@ class IterationStats:
     train_ms: float = 0.0
     e2e_ms: float = 0.0
     complete: bool = False
+    logp_diff: float | None = None  # the engine's logp_diff probe, when on (hybrid/probe.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -133,6 +134,9 @@ class HybridStats:
                 tokens_per_s=tokens / (gen_ms / 1e3) if gen_ms > 0 else 0.0,
                 switches=float(len(gen)),
             )
+            probes = [it.logp_diff for it in gen if it.logp_diff is not None]
+            if probes:
+                out["logp_diff"] = sum(probes) / len(probes)
             self._gen_mark = gen[-1].index + 1
         if done:
             out.update(
@@ -140,7 +144,7 @@ class HybridStats:
                 e2e_ms=sum(it.e2e_ms for it in done) / len(done),
             )
             self._done_mark = done[-1].index + 1
-        return {prefix + k: round(v, 3) for k, v in out.items()}
+        return {prefix + k: (v if k == "logp_diff" else round(v, 3)) for k, v in out.items()}
 
     def __repr__(self) -> str:
         s = self.summary()
