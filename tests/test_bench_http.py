@@ -142,3 +142,32 @@ def test_peer_that_cannot_run_is_skipped_with_its_reason(monkeypatch):
     assert ours.env["OMP_NUM_THREADS"] == "2" and ours.base_url.startswith("http://127.0.0.1:")
     with pytest.raises(ValueError, match="unknown server peer"):
         http_peers.peer_command("vllm", "/m", None, 1, 256)
+
+
+def test_a_server_refusing_ignore_eos_is_asked_with_min_tokens_then_nothing():
+    """transformers serve answers unknown fields with 422: the probe falls back and records each refusal."""
+    import asyncio
+
+    from hf_dsinfer.bench.http_load import httpx, probe_length_control
+
+    seen = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        seen.append(sorted(k for k in ("ignore_eos", "min_tokens", "stream_options") if k in body))
+        if "ignore_eos" in body or "min_tokens" in body:
+            return httpx.Response(422, json={"detail": "Unexpected fields"})
+        chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "c")] + [{"choices": [], "usage": {
+            "completion_tokens": 3}}]  # fmt: skip
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def probe():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await probe_length_control(client, "http://peer/v1/completions", RequestSpec("hi", 3, 1), "m", False)
+
+    found = asyncio.run(probe())
+    assert found["length_control"] == "none" and found["stream_usage"] and found["probe_output_tokens"] == 3
+    assert [r["length_control"] for r in found["refused"]] == ["ignore_eos"] * 2 + ["min_tokens"] * 2
+    assert all(r["error"].startswith("HTTP 422") for r in found["refused"])
+    assert seen[-1] == ["stream_options"]

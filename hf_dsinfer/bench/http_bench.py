@@ -56,8 +56,8 @@ def bench_server(base: str, model: str, specs: list[RequestSpec], chat: bool, *,
     found = asyncio.run(probe())
     settings.length_control, settings.stream_usage = found["length_control"], found["stream_usage"]
     if found["refused"]:
-        logger.warning("bench: %s refused %s; output lengths fixed by %s", base,
-                       ", ".join(r["length_control"] for r in found["refused"]), found["length_control"])  # fmt: skip
+        refused = ", ".join(dict.fromkeys(r["length_control"] for r in found["refused"]))
+        logger.warning("bench: %s refused %s; output lengths fixed by %s", base, refused, found["length_control"])
     runs = []
     for c in concurrencies:
         runs.append(measure(settings, specs, concurrency=c, seed=seed))
