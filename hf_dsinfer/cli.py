@@ -8,6 +8,8 @@ import platform
 import sys
 from importlib import metadata
 
+from .cli_generate import add_generate_arguments, generate_main
+
 
 def _version(dist: str) -> str:
     try:
@@ -108,117 +110,6 @@ def _print_info(report: dict) -> None:
         print(f"  {model_type:<12} {path}")
 
 
-def _parse_set(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
-        key, raw = pair.split("=", 1)
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
-
-
-def generation_report(
-    texts: list[str],
-    prompt_tokens: int,
-    stats: object | None,
-    wall_s: float,
-    new_tokens: int,
-    warmup_s: float | None = None,
-) -> dict:
-    """What ``hf-dsinfer generate`` prints: the texts and the call's speed (``new_tokens``: per prompt).
-
-    ``stats`` is the ``GenerateStats`` hf_dsinfer's generate recorded (time to first token measured inside the loop);
-    without it (a generate path that records none) only the wall-clock rate is known and TTFT is None.
-    ``warmup_s``: the wall time of the warm-up call made before it (which compiles the CPU decode step or captures
-    CUDA graphs on a model's first call), None when none was made: the figures then include that one-off cost.
-    """
-    batch = len(texts)
-    if stats is not None:
-        speed = {
-            "time_to_first_token_ms": round(stats.ttft_ms, 2),
-            "tokens_per_s": round(stats.tokens_per_s, 2),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
-            "path": stats.path,
-        }
-    else:
-        speed = {
-            "time_to_first_token_ms": None,
-            "tokens_per_s": round(batch * new_tokens / wall_s, 2) if wall_s > 0 else None,
-            "decode_tokens_per_s": None,
-            "path": "unknown",
-        }
-    return {
-        "texts": texts,
-        "batch_size": batch,
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": batch * new_tokens,
-        **speed,
-        "total_ms": round(wall_s * 1e3, 2),
-        "warmup_ms": None if warmup_s is None else round(warmup_s * 1e3, 2),
-        "includes_warmup": warmup_s is None,
-    }
-
-
-def _print_generation(report: dict) -> None:
-    for text in report["texts"]:
-        print(text)
-    ttft, decode = report["time_to_first_token_ms"], report["decode_tokens_per_s"]
-    if report["warmup_ms"] is not None:
-        warmup = f"warm-up call {report['warmup_ms']:.0f} ms (compiles / captures the decode step; not counted below)"
-    else:
-        warmup = "no warm-up call (--no-warmup): the figures include the first call's compile / capture"
-    print(f"-- {warmup}")
-    print(
-        f"-- prompt tokens: {report['prompt_tokens']}, new tokens: {report['new_tokens']} "
-        f"(batch {report['batch_size']}), time to first token: {'n/a' if ttft is None else f'{ttft:.1f} ms'}, "
-        f"decode {'n/a' if decode is None else decode} tokens/s, overall {report['tokens_per_s']} tokens/s "
-        f"(total {report['total_ms']:.0f} ms, path {report['path']})"
-    )
-
-
-def _generate(args: argparse.Namespace) -> None:
-    import time
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .generation.stats import last_generate_stats
-    from .integration.config import InferenceConfig
-
-    overrides = _parse_set(args.set)
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    cfg = InferenceConfig.from_any(args.config, **overrides)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.model, inference_config=cfg)
-    enc = tok(args.prompt, return_tensors="pt", padding=True).to(model.device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, pad_token_id=tok.pad_token_id)
-    if args.temperature > 0:
-        gen.update(temperature=args.temperature, top_p=args.top_p)
-    warmup_s = None
-    if args.warmup:  # the first call compiles the CPU decode step (or captures CUDA graphs): timed apart
-        start = time.perf_counter()
-        model.generate(**enc, **{**gen, "max_new_tokens": min(2, args.max_new_tokens)})
-        warmup_s = time.perf_counter() - start
-    before = last_generate_stats(model)
-    start = time.perf_counter()
-    out = model.generate(**enc, **gen)
-    wall_s = time.perf_counter() - start
-    stats = last_generate_stats(model)
-    new = out[:, enc["input_ids"].shape[1] :]
-    texts = [f"{prompt}{tok.decode(row, skip_special_tokens=True)}" for prompt, row in zip(args.prompt, new)]
-    report = generation_report(
-        texts, int(enc["attention_mask"].sum()), stats if stats is not before else None, wall_s, new.shape[1], warmup_s
-    )
-    print(json.dumps(report, indent=2)) if args.json else _print_generation(report)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-dsinfer`` command."""
     parser = argparse.ArgumentParser(
@@ -227,23 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, device, kernel path, supported architectures")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
-    p_gen = sub.add_parser("generate", help="load a model with an inference config and generate text")
-    p_gen.add_argument("model", help="model directory or hub id")
-    p_gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    p_gen.add_argument("--max-new-tokens", type=int, default=32)
-    p_gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p_gen.add_argument("--top-p", type=float, default=1.0)
-    p_gen.add_argument("--dtype", help="fp16, bf16 or fp32 (the config's dtype)")
-    p_gen.add_argument("--config", help="an inference config JSON file")
-    p_gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an inference config field")
-    p_gen.add_argument("--json", action="store_true", help="print texts and timings as one JSON object")
-    p_gen.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="first make a short warm-up call (2 new tokens) and report its time apart, so that the decode "
-        "tokens/s do not include compiling the CPU decode step / capturing CUDA graphs (default: on)",
-    )
+    p_gen = sub.add_parser("generate", help="load a model with an inference config, chat with it, stream the reply")
+    add_generate_arguments(p_gen)
     p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching on fused layers)")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
     argv = sys.argv[1:] if argv is None else argv
@@ -260,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         report = info_report()
         print(json.dumps(report, indent=2)) if args.json else _print_info(report)
     elif args.command == "generate":
-        _generate(args)
+        generate_main(args)
     elif args.command == "serve":
         from .serving.serve_cli import serve_main
 

@@ -107,12 +107,12 @@ def test_generate_json(tmp_path, capsys):
 def test_generation_report_without_warmup_says_so(capsys):
     from types import SimpleNamespace
 
-    from hf_dsinfer.cli import _print_generation, generation_report
+    from hf_dsinfer.cli_generate import generation_report, print_generation
 
     stats = SimpleNamespace(ttft_ms=5.0, tokens_per_s=3.0, decode_tokens_per_s=2.5, path="fast")
     report = generation_report(["a b"], 2, stats, 1.5, 4)
     assert report["warmup_ms"] is None and report["includes_warmup"] is True
-    _print_generation(report)
+    print_generation(report)
     out = capsys.readouterr().out
     assert "no warm-up call (--no-warmup): the figures include the first call's compile" in out
     assert "decode 2.5 tokens/s, overall 3.0 tokens/s" in out

@@ -19,6 +19,13 @@ Weights are not frozen: the compiled graph reads the model's parameters on every
 call :mod:`~hf_dsinfer.modules.cpu_packed`'s op from the graph: oneDNN over a prepacked copy of each weight, which the
 op re-packs when the weight changed (``HF_DSINFER_CPU_PACKED=0`` keeps ``F.linear``).
 
+Compiling a bucket takes tens of seconds to minutes on a small CPU (tracing every layer, then C++ compilation; a
+warning says so when it starts). By default it runs in a background thread while the steps of that bucket run eagerly,
+and the compiled graph is swapped in between two steps once it is ready (:meth:`CompiledCPUDecode.wait` waits for it,
+e.g. before timing). The background thread only compiles: the compiled code is called once there in a *dry run* that
+raises before the graph executes (:func:`_inductor_with_dry_run`), so it never touches the KV cache the eager steps
+are writing. ``HF_DSINFER_CPU_COMPILE=sync`` compiles in the calling thread instead (the step waits).
+
 If compiling fails the step falls back to eager torch for good, with one warning. ``InferenceConfig.cpu_compile=False``
 (or ``HF_DSINFER_CPU_COMPILE=0``) keeps the eager path, which is also the reference the compiled one is tested against.
 """
@@ -26,6 +33,7 @@ If compiling fails the step falls back to eager torch for good, with one warning
 from __future__ import annotations
 
 import os
+import threading
 import time
 import types
 import warnings
@@ -43,8 +51,36 @@ if TYPE_CHECKING:
     from .decode import DecodeStep
 
 #: Process-wide switch: ``HF_DSINFER_CPU_COMPILE=0`` keeps every CPU decode step eager, whatever ``cpu_compile`` says
-#: (read on every step, like ``HF_DSINFER_BACKEND``; the test suite sets it, compiling costs seconds per model).
+#: (read on every step, like ``HF_DSINFER_BACKEND``; the test suite sets it, compiling costs seconds per model);
+#: ``sync`` compiles in the calling thread (the step waits) instead of in the background.
 ENV_VAR = "HF_DSINFER_CPU_COMPILE"
+_OFF = ("0", "false", "off", "no")
+#: What the compile notice says about the wait (measured on SmolLM2-135M, 30 layers, on a 2-core machine: docs).
+COMPILE_TIME = "tens of seconds to a few minutes the first time, less when torch's compile cache holds it"
+
+_DRY_RUN = threading.local()  # .on: the compiled code called by a background compile must not run (see below)
+
+
+class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry run
+    """Raised instead of running the graph when compiled code is called only to compile it (a dry run)."""
+
+
+def _inductor_with_dry_run(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """torch.compile's backend: inductor's ``compile_fx``, and a wrapper that raises :class:`CompileOnly` instead of
+    running the graph while this thread is in a dry run. Dynamo has cached the guarded code by then, so the next call
+    with the same guards runs the compiled graph without compiling."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, example_inputs)
+
+    def run(*args: object) -> object:
+        if getattr(_DRY_RUN, "on", False):
+            raise CompileOnly
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):  # inductor's calling convention (one list argument), kept as is
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _has_collectives(runtime) -> bool:
@@ -76,7 +112,9 @@ class CompiledCPUDecode:
         self.failed = _has_collectives(step.runtime)
         self._compiled = None
         self._slots: torch.Tensor | None = None  # [S] arange: its slices carry the attended length as a shape
-        self.compile_s: dict[int, float] = {}  # bucket -> seconds spent in its first (compiling) call
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took (present: it runs compiled)
+        self.eager_while_compiling = 0  # steps run eagerly because their bucket was still compiling
+        self._pending: dict[int, threading.Thread] = {}  # bucket -> its background compile
 
     def applies(self, input_ids: torch.Tensor) -> bool:
         """Whether this call runs compiled: CPU, torch kernels, not switched off, compiling has not failed."""
@@ -84,66 +122,150 @@ class CompiledCPUDecode:
             not self.failed
             and input_ids.device.type == "cpu"
             and get_backend() != "triton"
-            and os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+            and os.environ.get(ENV_VAR, "1").strip().lower() not in _OFF
         )
 
-    def _bucketed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The runner's step: ``input_ids``/``positions [bucket, tokens]`` (views of its static buffers)."""
+    @property
+    def pending(self) -> bool:
+        """Whether a background compile is running."""
+        return any(t.is_alive() for t in self._pending.values())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles started so far; returns False if one is still running at ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in list(self._pending.values()):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.pending
+
+    def _slots_for(self, length: int) -> torch.Tensor:
+        """``[length]`` slice of a fixed arange, its length marked dynamic (the attended cache slots)."""
         cache = self.step.cache
-        length = cache.padded_len + self.tokens  # no row holds more after this step (rows are stored compactly)
         if self._slots is None or self._slots.shape[0] != cache.max_tokens:
             self._slots = torch.arange(cache.max_tokens)
         slots = self._slots[:length]
         # maybe_: a length equal to the whole cache may still specialize (a full-buffer slice is contiguous).
         torch._dynamo.maybe_mark_dynamic(slots, 0)
+        return slots
+
+    def _bucketed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The runner's step: ``input_ids``/``positions [bucket, tokens]`` (views of its static buffers)."""
+        length = self.step.cache.padded_len + self.tokens  # no row holds more after this step (rows stored compactly)
+        slots = self._slots_for(length)
         bucket = input_ids.shape[0]
         self.step.start_offsets(bucket, input_ids.device)  # allocate outside the graph (no guard on a first call)
         if bucket in self.compile_s:
             return self._compiled(input_ids, positions, slots)
+        self._notice(bucket, background=False)
         t0 = time.perf_counter()
         with warnings.catch_warnings():
-            # The kernels' backend switch is an lru_cache of a pure function of the environment variable (checked
-            # outside the graph by applies()), so dynamo tracing through the cache is exact.
-            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+            _quiet_lru_cache_warning()
             out = self._compiled(input_ids, positions, slots)
-        self.compile_s[bucket] = time.perf_counter() - t0
-        seconds = self.compile_s[bucket]
-        logger.info("hf_dsinfer: compiled the CPU %s for batch %d in %.1f s", self._what, bucket, seconds)
+        self._done(bucket, time.perf_counter() - t0)
         return out
 
     @property
     def _what(self) -> str:
         return "decode step" if self.tokens == 1 else f"verification step of {self.tokens} tokens"
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids [B, T]``, ``positions [B, T]`` (``T = tokens``) -> fp32 logits ``[B, V]`` (decode) or
-        ``[B, T, V]`` (verification); eager above the largest bucket."""
+    def _notice(self, bucket: int, background: bool) -> None:
+        """The one line a user sees when a compile starts (warning level: transformers' default verbosity shows it)."""
+        how = " in the background; decoding runs eagerly meanwhile" if background else "; this step waits for it"
+        logger.warning(
+            "hf_dsinfer: compiling the CPU %s for batch %d with torch.compile%s (%s; it makes decoding faster and "
+            "is reused by later calls). inference_config={'cpu_compile': False} skips it.",
+            self._what, bucket, how, COMPILE_TIME,
+        )  # fmt: skip
+
+    def _done(self, bucket: int, seconds: float) -> None:
+        self.compile_s[bucket] = seconds  # published last: the next step of this bucket runs compiled
+        logger.info("hf_dsinfer: compiled the CPU %s for batch %d in %.1f s", self._what, bucket, seconds)
+
+    def _ensure_runner(self) -> GraphRunner:
         if self.runner is None:
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
-            self._compiled = torch.compile(types.MethodType(traced, self.step), fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(
+                types.MethodType(traced, self.step), backend=_inductor_with_dry_run, fullgraph=True, dynamic=False
+            )
             cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
             row = (self.tokens,)
             inputs = {"input_ids": StaticInput(row, torch.long, 0), "positions": StaticInput(row, torch.long, 0)}
             name = "decode" if self.tokens == 1 else f"verify{self.tokens}"
             self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name=name)
+        return self.runner
+
+    def _start_background(self, bucket: int) -> None:
+        """Compile ``bucket`` in a daemon thread (once); the caller runs this step eagerly."""
+        if bucket in self._pending:
+            return
+        runner = self._ensure_runner()
+        views = runner._views(bucket)  # the static buffers the compiled calls will get (metadata only: never run)
+        length = min(max(self.step.cache.padded_len + self.tokens, 2), self.step.cache.max_tokens)  # 2+: no 0/1
+        self.step.start_offsets(bucket, views["input_ids"].device)  # allocated here, not under the eager steps
+        args = (views["input_ids"], views["positions"], self._slots_for(length))
+        grad = torch.is_grad_enabled()  # grad mode is per thread and guarded: compile under the caller's
+        self._notice(bucket, background=True)
+        thread = threading.Thread(
+            target=self._compile_dry, args=(bucket, args, grad), name=f"hf_dsinfer-compile-{bucket}", daemon=True
+        )
+        self._pending[bucket] = thread
+        thread.start()
+
+    def _compile_dry(self, bucket: int, args: tuple, grad: bool) -> None:
+        t0 = time.perf_counter()
+        _DRY_RUN.on = True
+        try:
+            with torch.set_grad_enabled(grad), warnings.catch_warnings():
+                _quiet_lru_cache_warning()
+                self._compiled(*args)
+            raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised CompileOnly
+        except CompileOnly:
+            self._done(bucket, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step computes the same
+            self._fail(e)
+        finally:
+            _DRY_RUN.on = False
+
+    def _fail(self, e: BaseException) -> None:
+        self.failed = True
+        logger.warning(
+            "hf_dsinfer: compiling the CPU %s failed (%s: %s); running it with eager torch instead "
+            "(set cpu_compile=False in the inference config to skip the attempt).",
+            self._what,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, T]``, ``positions [B, T]`` (``T = tokens``) -> fp32 logits ``[B, V]`` (decode) or
+        ``[B, T, V]`` (verification); eager above the largest bucket and while the bucket compiles in the
+        background."""
+        runner = self._ensure_runner()
         cpu_packed.sync()  # HF_DSINFER_CPU_PACKED -> the switch the graph reads (a change recompiles the bucket)
         batch = input_ids.shape[0]
-        bucket = self.runner.bucket_for(batch)
+        bucket = runner.bucket_for(batch)
         if bucket is None or bucket > self.step.cache.allocated_rows:
             return self.step.eager(input_ids, positions)
+        if bucket not in self.compile_s:
+            if os.environ.get(ENV_VAR, "1").strip().lower() != "sync":
+                self._start_background(bucket)
+                self.eager_while_compiling += 1
+                return self.step.eager(input_ids, positions)
+            if bucket in self._pending:  # switched to sync while a background compile runs: wait for it
+                self._pending[bucket].join()
+                if self.failed:
+                    return self.step.eager(input_ids, positions)
         try:
-            return self.runner(input_ids=input_ids, positions=positions)
+            return runner(input_ids=input_ids, positions=positions)
         except Exception as e:  # noqa: BLE001 - any compiler failure: eager torch computes the same step
             if bucket in self.compile_s:
                 raise  # a bucket that already ran compiled: a real error, not a compiler failure
-            self.failed = True
-            logger.warning(
-                "hf_dsinfer: compiling the CPU %s failed (%s: %s); running it with eager torch instead "
-                "(set cpu_compile=False in the inference config to skip the attempt).",
-                self._what,
-                type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "",
-            )
+            self._fail(e)
             return self.step.eager(input_ids, positions)
+
+
+def _quiet_lru_cache_warning() -> None:
+    # The kernels' backend switch is an lru_cache of a pure function of the environment variable (checked outside
+    # the graph by applies()), so dynamo tracing through the cache is exact.
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")

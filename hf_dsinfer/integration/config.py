@@ -68,7 +68,8 @@ DEEPSPEED_FIELDS: dict[str, Any] = {
 OWN_FIELDS: dict[str, Any] = {
     "cuda_graph_batch_sizes": None,  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_batch_size
     "max_batch_size": 8,  # rows of the static KV cache
-    "cpu_compile": True,  # CPU decode steps through torch.compile (one graph per batch bucket)
+    "cpu_compile": True,  # CPU decode steps through torch.compile (one graph per batch bucket); or "auto"
+    "threads": None,  # torch CPU threads for the process (torch.set_num_threads at load); None: leave torch's
 }
 FIELDS = {**DEEPSPEED_FIELDS, **OWN_FIELDS}
 
@@ -92,7 +93,6 @@ _TP_RUNTIME = ("mpu", "tp_group")  # process-group objects: kept in memory, neve
 
 _BOOL_FIELDS = (
     "enable_cuda_graph",
-    "cpu_compile",
     "keep_module_on_host",
     "use_triton",
     "triton_autotune",
@@ -229,7 +229,8 @@ class InferenceConfig(QuantizationConfigMixin):
     (1024), ``min_out_tokens`` (1), ``checkpoint``, ``base_dir``, ``quant``, ``moe``, ``keep_module_on_host``,
     ``save_mp_checkpoint_path``, ``use_triton``, ``triton_autotune``, ``return_tuple``, ``training_mp_size``.
     Ours: ``cuda_graph_batch_sizes`` (batch buckets captured as CUDA graphs), ``max_batch_size`` (KV cache rows),
-    ``cpu_compile`` (on CPU, decode steps run as one ``torch.compile``-d graph per batch bucket).
+    ``cpu_compile`` (on CPU, decode steps run as one ``torch.compile``-d graph per batch bucket; ``"auto"``: where it
+    pays), ``threads`` (torch's CPU threads for the process, set at load; None leaves them).
     """
 
     def __init__(self, **kwargs: Any):
@@ -375,6 +376,13 @@ class InferenceConfig(QuantizationConfigMixin):
                 f"replace_with_kernel_inject must be True, False or 'auto', got {inject!r} ('auto', the default, "
                 "injects fused layers where a policy exists and keeps HF's modules elsewhere)."
             )
+        if isinstance(self.cpu_compile, str) and self.cpu_compile.strip().lower() == AUTO:
+            self.cpu_compile = AUTO
+        elif not isinstance(self.cpu_compile, bool):
+            raise ValueError(f"cpu_compile must be True, False or 'auto', got {self.cpu_compile!r}.")
+        t = self.threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"threads must be an integer >= 1 (torch's CPU threads) or None (leave them), got {t!r}.")
         for key in ("max_out_tokens", "min_out_tokens", "max_batch_size", "training_mp_size"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -1,0 +1,178 @@
+"""A first hour with a real model: the compile notice, the background compile, threads, the chat-ready CLI, names.
+
+The CLI's replies are checked against HF's eager model fed the same chat-formatted ids (the oracle); the compiled
+decode step compiled in the background must give greedy's tokens before, during and after the swap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+import transformers
+from tiny_models import save_tiny
+
+from hf_dsinfer.cli import main
+from hf_dsinfer.generation.api import GEN_ATTR
+from hf_dsinfer.log import LOGGER_NAME
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# A chat template of the usual shape: turns marked by role, the assistant's turn opened at the end.
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+EAGER = "cpu_compile=false"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> str:
+    """A one-layer tiny Llama whose tokenizer has a chat template."""
+    path = save_tiny("llama", tmp_path_factory.mktemp("chat"), num_hidden_layers=1)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(chat_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32).eval()
+
+
+def _greedy(model, tok, ids: list[int], n: int) -> str:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)  # fmt: skip
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def _run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_applies_the_chat_template(chat_dir, oracle, capsys):
+    tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    report = _run_json(capsys, chat_dir, "--prompt", "Hello world", "--system", "Be brief.", "--max-new-tokens", "5",
+                       "--set", EAGER)  # fmt: skip
+    assert report["chat"] is True and report["prompt_tokens"] == len(ids)
+    assert report["texts"] == [_greedy(oracle, tok, ids, 5)]  # the reply alone, as HF generates it from those ids
+
+    raw = _run_json(capsys, chat_dir, "--prompt", "Hello world", "--no-chat", "--max-new-tokens", "5", "--set", EAGER)
+    raw_ids = tok("Hello world")["input_ids"]
+    assert raw["chat"] is False and raw["prompt_tokens"] == len(raw_ids)
+    assert raw["texts"] == ["Hello world" + _greedy(oracle, tok, raw_ids, 5)]  # raw text: prompt + continuation
+
+
+def test_generate_streams_the_reply(chat_dir, oracle, capsys):
+    tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=False)
+    assert main(["generate", chat_dir, "--prompt", "Hi", "--max-new-tokens", "6", "--set", EAGER]) == 0
+    out = capsys.readouterr().out
+    streamed, rest = out.split("\n-- ", 1)  # the streamed reply, then the figures
+    assert streamed == _greedy(oracle, tok, ids, 6)
+    assert rest.startswith("warm-up call") and "tokens/s" in rest
+
+
+def test_system_without_a_template_is_refused(tmp_path):
+    path = save_tiny("llama", tmp_path / "plain", num_hidden_layers=1)
+    with pytest.raises(SystemExit, match="--system needs a chat template, but this tokenizer has no chat template"):
+        main(["generate", path, "--prompt", "Hi", "--system", "Be brief."])
+
+
+def test_an_immediate_eos_is_explained(chat_dir, oracle, tmp_path, capsys):
+    # make the token greedy picks first the end-of-sequence token: the model answers nothing
+    tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=False)
+    first = int(oracle.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+    path = save_tiny("llama", tmp_path / "eos", num_hidden_layers=1)  # the same weights (seed 0)
+    tok.save_pretrained(path)
+    config = transformers.GenerationConfig.from_pretrained(path)
+    config.eos_token_id = first
+    config.save_pretrained(path)
+    report = _run_json(capsys, path, "--prompt", "Hi", "--set", EAGER)
+    assert report["new_tokens"] == 1 and report["texts"] == [""]
+    assert len(report["notes"]) == 1 and "ended its reply immediately (EOS as the first token)" in report["notes"][0]
+    assert "--system" in report["notes"][0]  # chat mode: rephrase / --system / sampling
+
+
+def test_threads_flag_sets_torch_threads(chat_dir, capsys):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        report = _run_json(capsys, chat_dir, "--prompt", "Hi", "--max-new-tokens", "2", "--threads", "2",
+                           "--set", EAGER)  # fmt: skip
+        assert torch.get_num_threads() == 2 and report["new_tokens"] == 2
+        # the config field alone does the same at load
+        torch.set_num_threads(1)
+        transformers.AutoModelForCausalLM.from_pretrained(chat_dir, inference_config={"threads": 3})
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        transformers.AutoModelForCausalLM.from_pretrained(chat_dir, inference_config={"threads": 0})
+
+
+def test_busy_machine_warning(monkeypatch, caplog):
+    from hf_dsinfer import log
+    from hf_dsinfer.generation import threads
+
+    monkeypatch.setattr(log, "_WARNED", set())
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (9.5, 5.0, 2.0))
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert threads.warn_if_busy(2, how="--threads 1")
+        assert not threads.warn_if_busy(1)  # one thread: nothing to advise
+    (record,) = [r for r in caplog.records if "machine is busy" in r.getMessage()]
+    assert re.search(r"load average 9\.5 on \d+ cores", record.getMessage()) and "--threads 1" in record.getMessage()
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert threads.busy_machine() is None
+
+
+def test_smollm2_name_resolves(tmp_path, monkeypatch):
+    from hf_dsinfer import real_model
+
+    folder = tmp_path / "smollm2"  # an existing path wins over the name
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert real_model.resolve_model_name("smollm2") == "smollm2"
+    assert real_model.resolve_model_name("org/some-model") == "org/some-model"
+    monkeypatch.chdir(tmp_path / "smollm2")
+    if not real_model.smollm2_available():
+        pytest.skip(f"SmolLM2 is not installed ({real_model.SMOLLM2_INSTALL})")
+    path = real_model.resolve_model_name("SmolLM2")
+    assert path == real_model.smollm2_path()
+    assert transformers.AutoConfig.from_pretrained(path).model_type == "llama"
+
+
+def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplog):
+    """The notice appears once when the compile starts (in the background), decoding goes on eagerly meanwhile, the
+    compiled step is swapped in once ready, and the greedy tokens are HF's throughout; nothing with cpu_compile off."""
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    ids = torch.tensor([[5, 9, 3, 7]])
+    want = oracle.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    config = {"dtype": "fp32", "max_out_tokens": 32, "max_batch_size": 1}
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        eager = transformers.AutoModelForCausalLM.from_pretrained(
+            chat_dir, inference_config={**config, "cpu_compile": False}
+        )
+        assert torch.equal(eager.generate(ids, **kwargs), want)
+        assert not [r for r in caplog.records if "compiling the CPU" in r.getMessage()]
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, inference_config=config)
+        compiled = getattr(model, GEN_ATTR).step.compiled
+        assert torch.equal(model.generate(ids, **kwargs), want)  # eager steps while compiling (or swapped in)
+        notices = [r for r in caplog.records if "compiling the CPU decode step for batch 1" in r.getMessage()]
+        assert len(notices) == 1 and notices[0].levelno == logging.WARNING
+        assert "in the background" in notices[0].getMessage() and "'cpu_compile': False" in notices[0].getMessage()
+        assert compiled.wait(timeout=600) and not compiled.failed and set(compiled.compile_s) == {1}
+        replays = compiled.runner.stats.replays
+        assert torch.equal(model.generate(ids, **kwargs), want)  # compiled now
+        assert compiled.runner.stats.replays == replays + 11  # every decode step ran compiled
+    assert len([r for r in caplog.records if "compiling the CPU" in r.getMessage()]) == 1  # no second compile
