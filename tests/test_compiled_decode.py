@@ -24,7 +24,7 @@ INJECT = {"dtype": "fp32", "replace_with_kernel_inject": True, "max_out_tokens":
 
 @pytest.fixture
 def compile_on(monkeypatch):
-    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "sync")  # compiled in the calling thread: the first call runs it
 
 
 def _load(name: str, tmp_path, **overrides):
@@ -77,7 +77,7 @@ def test_compiled_step_equals_eager_and_hf_without_recompiles(tmp_path, compile_
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
     # a single row runs in its own bucket; the padded batch's rows equal their single runs
-    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "sync")
     p = prompts()[0]
     single = _gen(opt, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
     assert set(compiled.compile_s) == {1, 4}

@@ -67,7 +67,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture
 def compile_on(monkeypatch):
-    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "sync")
 
 
 def _greedy(model, ids, **kw):

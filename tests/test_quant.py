@@ -389,7 +389,7 @@ def test_compiled_cpu_decode_step_equals_eager(saved, monkeypatch, quant):
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=PAD)
     monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "0")
     eager = _load(path, quant, max_out_tokens=48, max_batch_size=4).generate(input_ids=ids, attention_mask=mask, **kw)
-    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "sync")
     model = _load(path, quant, max_out_tokens=48, max_batch_size=4)
     got = model.generate(input_ids=ids, attention_mask=mask, **kw)
     compiled = getattr(model, GEN_ATTR).step.compiled

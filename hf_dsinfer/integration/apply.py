@@ -60,6 +60,9 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
             "multiple of ep_size, or set moe.ep_size=1."
         )
     setattr(model, CONFIG_ATTR, cfg)
+    from ..generation.threads import apply_threads
+
+    apply_threads(cfg.threads)  # torch's CPU threads, process-wide (None: left as they are)
     model.eval()
     apply_tensor_parallel(model, cfg)
     quant = cfg.quant_settings
