@@ -157,7 +157,7 @@ def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplo
     ids = torch.tensor([[5, 9, 3, 7]])
     want = oracle.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    config = {"dtype": "fp32", "max_out_tokens": 32, "max_batch_size": 1}
+    config = {"dtype": "fp32", "max_out_tokens": 32, "max_batch_size": 1, "cpu_compile": True}  # True: at once
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         eager = transformers.AutoModelForCausalLM.from_pretrained(
             chat_dir, inference_config={**config, "cpu_compile": False}
@@ -176,3 +176,21 @@ def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplo
         assert torch.equal(model.generate(ids, **kwargs), want)  # compiled now
         assert compiled.runner.stats.replays == replays + 11  # every decode step ran compiled
     assert len([r for r in caplog.records if "compiling the CPU" in r.getMessage()]) == 1  # no second compile
+
+
+def test_auto_compiles_only_after_eager_steps_cost_a_compile(chat_dir, oracle, monkeypatch, caplog):
+    """cpu_compile="auto" (the default): a short run decodes eagerly and starts no compile; the eager time is counted
+    per bucket towards AUTO_AFTER_S."""
+    from hf_dsinfer.generation import compiled_cpu
+
+    monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    monkeypatch.setattr(compiled_cpu, "AUTO_AFTER_S", 3600.0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, inference_config={"max_batch_size": 1})
+    compiled = getattr(model, GEN_ATTR).step.compiled
+    assert compiled.auto
+    ids = torch.tensor([[5, 9, 3, 7]])
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert torch.equal(model.generate(ids, **kwargs), oracle.generate(ids, **kwargs))
+    assert not [r for r in caplog.records if "compiling the CPU" in r.getMessage()]
+    assert not compiled.pending and not compiled.compile_s and 0 < compiled._eager_s[1] < 3600

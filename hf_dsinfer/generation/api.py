@@ -57,7 +57,7 @@ class GenerationState:
             self.step = DecodeStep(
                 model,
                 runtime,
-                compile_cpu=bool(getattr(cfg, "cpu_compile", True)),
+                compile_cpu=getattr(cfg, "cpu_compile", True),  # True, False or "auto"
                 batch_sizes=getattr(cfg, "cuda_graph_batch_sizes", None),
                 max_batch_size=getattr(cfg, "max_batch_size", 8),
             )

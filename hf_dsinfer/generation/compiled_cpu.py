@@ -57,6 +57,11 @@ ENV_VAR = "HF_DSINFER_CPU_COMPILE"
 _OFF = ("0", "false", "off", "no")
 #: What the compile notice says about the wait (measured on SmolLM2-135M, 30 layers, on a 2-core machine: docs).
 COMPILE_TIME = "tens of seconds to a few minutes the first time, less when torch's compile cache holds it"
+#: ``cpu_compile="auto"``: a bucket starts compiling once its eager decode steps have taken this many seconds. The
+#: ski-rental rule: keep paying the eager step until it has cost about what a compile costs (a warm compile of
+#: SmolLM2 on 2 cores; docs/generation.md), so a short run never compiles and a long one pays at most about twice the
+#: best choice made in hindsight.
+AUTO_AFTER_S = 30.0
 
 _DRY_RUN = threading.local()  # .on: the compiled code called by a background compile must not run (see below)
 
@@ -102,10 +107,15 @@ class CompiledCPUDecode:
         step: the eager decode step; its :meth:`~.decode.DecodeStep.eager` is what gets compiled.
         buckets: batch buckets (a batch above the largest one runs eagerly).
         tokens: new tokens per row: 1 for decode; ``1 + k`` for a speculative verification (logits of every token).
+        auto: start a bucket's compile only after its eager steps took :data:`AUTO_AFTER_S` seconds
+            (``cpu_compile="auto"``); otherwise on its first step. ``HF_DSINFER_CPU_COMPILE=sync`` compiles on the
+            first step either way.
     """
 
-    def __init__(self, step: DecodeStep, buckets: list[int], tokens: int = 1):
+    def __init__(self, step: DecodeStep, buckets: list[int], tokens: int = 1, auto: bool = False):
         self.step = step
+        self.auto = auto
+        self._eager_s: dict[int, float] = {}  # bucket -> seconds its eager steps took before its compile (auto)
         self.buckets = list(buckets)
         self.tokens = tokens
         self.runner: GraphRunner | None = None
@@ -227,6 +237,16 @@ class CompiledCPUDecode:
         finally:
             _DRY_RUN.on = False
 
+    def _eager_until_it_pays(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``cpu_compile="auto"``: an eager step, timed; the bucket's compile starts once they add up to
+        :data:`AUTO_AFTER_S`."""
+        t0 = time.perf_counter()
+        out = self.step.eager(input_ids, positions)
+        spent = self._eager_s[bucket] = self._eager_s.get(bucket, 0.0) + time.perf_counter() - t0
+        if spent >= AUTO_AFTER_S:
+            self._start_background(bucket)
+        return out
+
     def _fail(self, e: BaseException) -> None:
         self.failed = True
         logger.warning(
@@ -249,6 +269,8 @@ class CompiledCPUDecode:
             return self.step.eager(input_ids, positions)
         if bucket not in self.compile_s:
             if os.environ.get(ENV_VAR, "1").strip().lower() != "sync":
+                if self.auto and bucket not in self._pending:
+                    return self._eager_until_it_pays(bucket, input_ids, positions)
                 self._start_background(bucket)
                 self.eager_while_compiling += 1
                 return self.step.eager(input_ids, positions)

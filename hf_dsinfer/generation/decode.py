@@ -26,7 +26,8 @@ class DecodeStep:
     Args:
         model: the top-level model (``*ForCausalLM``); its policy hooks receive it.
         runtime: the injection runtime (``policy``, ``layers``, ``final_norm``, ``rotary``, ``cache``).
-        compile_cpu: run CPU steps through :class:`CompiledCPUDecode` (``torch.compile``, one graph per batch bucket).
+        compile_cpu: run CPU steps through :class:`CompiledCPUDecode` (``torch.compile``, one graph per batch bucket):
+            True, or ``"auto"`` (compiled once eager steps have cost about a compile, see ``AUTO_AFTER_S``).
         batch_sizes, max_batch_size: the batch buckets (see :func:`~.graph_runner.batch_buckets`).
     """
 
@@ -34,7 +35,7 @@ class DecodeStep:
         self,
         model: nn.Module,
         runtime: Any,
-        compile_cpu: bool = False,
+        compile_cpu: bool | str = False,
         batch_sizes: list[int] | None = None,
         max_batch_size: int = 8,
     ):
@@ -47,7 +48,8 @@ class DecodeStep:
         self.compiled: CompiledCPUDecode | None = None
         self._verifiers: dict[int, CompiledCPUDecode] = {}  # tokens -> the compiled one-row verification step
         if compile_cpu:
-            self.compiled = CompiledCPUDecode(self, batch_buckets(batch_sizes, max_batch_size))
+            buckets = batch_buckets(batch_sizes, max_batch_size)
+            self.compiled = CompiledCPUDecode(self, buckets, auto=compile_cpu == "auto")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, 1]``, ``positions [B, 1]`` (int64, device) -> fp32 logits ``[B, V]``.
@@ -70,7 +72,7 @@ class DecodeStep:
             return None
         verifier = self._verifiers.get(tokens)
         if verifier is None:
-            verifier = self._verifiers[tokens] = CompiledCPUDecode(self, [1], tokens=tokens)
+            verifier = self._verifiers[tokens] = CompiledCPUDecode(self, [1], tokens=tokens, auto=self.compiled.auto)
         return None if verifier.failed else verifier
 
     def start_offsets(self, batch: int, device: torch.device) -> torch.Tensor:

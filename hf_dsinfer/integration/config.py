@@ -68,7 +68,7 @@ DEEPSPEED_FIELDS: dict[str, Any] = {
 OWN_FIELDS: dict[str, Any] = {
     "cuda_graph_batch_sizes": None,  # None: 1, 2, 4, 8, 16, 24, 32, ... up to max_batch_size
     "max_batch_size": 8,  # rows of the static KV cache
-    "cpu_compile": True,  # CPU decode steps through torch.compile (one graph per batch bucket); or "auto"
+    "cpu_compile": "auto",  # CPU decode steps through torch.compile, once they ran long enough to pay (True: at once)
     "threads": None,  # torch CPU threads for the process (torch.set_num_threads at load); None: leave torch's
 }
 FIELDS = {**DEEPSPEED_FIELDS, **OWN_FIELDS}
