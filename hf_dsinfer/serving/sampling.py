@@ -24,6 +24,8 @@ and vLLM report them.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from hf_dsinfer.kernels import filter_logits
@@ -79,17 +81,19 @@ def select_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     (log-probs, stop, error) on its :class:`RequestSampler`. ``logits`` is not modified."""
     device = logits.device
     samplers = [ensure_sampler(s, device) for s in seqs]
-    picked = logits.argmax(-1)  # [R]: plain greedy rows are done here
     slow = [r for r, (s, sm) in enumerate(zip(seqs, samplers)) if not sm.plain(s.generated) and sm.error is None]
+    # [R]: plain greedy rows are done here, in one batched argmax
+    picked = logits.argmax(-1) if len(slow) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=device)
     dead: list[bool] = []
     scores = None
     if slow:
         index = torch.tensor(slow, device=device)
         rows = [seqs[r] for r in slow]
         scores = _process(logits.index_select(0, index), rows)  # [S, V], a copy
-        picked = picked.index_copy(0, index, _draw(scores, rows))
-        alive = torch.isfinite(scores).any(-1)  # [S]: False when every token was masked
-        flat = torch.cat([picked, alive.long()]).tolist()
+        choice = _draw(scores, rows)  # [S]
+        # a row whose every token was masked picks a token of score -inf (or NaN): nothing could be generated
+        alive = torch.isfinite(scores.gather(1, choice[:, None]))[:, 0]
+        flat = torch.cat([picked.index_copy(0, index, choice), alive.long()]).tolist()
         tokens, dead = flat[: len(seqs)], [not a for a in flat[len(seqs) :]]
     else:
         tokens = picked.tolist()
@@ -114,19 +118,26 @@ def _process(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
         js = [j for j, s in enumerate(rows) if cond(s)]
         return js, (torch.tensor(js, device=dev) if js else None)
 
-    # 1. repetition penalty, with the same scalar ops as transformers' processor (grouped by value)
-    for value in {s.params.repetition_penalty for s in rows} - {1.0}:
-        js, idx = pick(lambda s, v=value: s.params.repetition_penalty == v)
-        seen = _token_bag([s.tokens for s in (rows[j] for j in js)], V, dev, torch.bool)  # [n, V]
-        sub = scores[idx]
-        scores[idx] = torch.where(seen, torch.where(sub < 0, sub * value, sub / value), sub)
-    # 2. OpenAI's presence / frequency penalties on the generated tokens
-    js, idx = pick(lambda s: s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0)
-    if js:
-        counts = _token_bag([rows[j].tokens[len(rows[j].prompt) :] for j in js], V, dev, torch.float32)  # [n, V]
-        freq = torch.tensor([rows[j].params.frequency_penalty for j in js], device=dev)[:, None]
-        pres = torch.tensor([rows[j].params.presence_penalty for j in js], device=dev)[:, None]
-        scores[idx] = scores[idx] - freq * counts - pres * (counts > 0).float()
+    # 1. repetition penalty on the ids each row has seen (transformers' ops on the gathered logits)
+    pen = [(j, s) for j, s in enumerate(rows) if s.params.repetition_penalty != 1.0]
+    if pen:
+        ids = [sorted({t for t in s.tokens if t < V}) for _, s in pen]
+        at = (torch.tensor([j for (j, _), i in zip(pen, ids) for _ in i], device=dev),
+              torch.tensor([t for i in ids for t in i], dtype=torch.long, device=dev))  # fmt: skip
+        factor = torch.tensor([s.params.repetition_penalty for (_, s), i in zip(pen, ids) for _ in i], device=dev)
+        seen = scores[at]
+        scores[at] = torch.where(seen < 0, seen * factor, seen / factor)
+    # 2. OpenAI's presence / frequency penalties on the generated tokens (their counts)
+    items = []
+    for j, s in enumerate(rows):
+        p = s.params
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            counts = Counter(t for t in s.tokens[len(s.prompt) :] if t < V)
+            if counts:
+                items.append((j, torch.tensor(list(counts), dtype=torch.long, device=dev),
+                              -torch.tensor([p.frequency_penalty * c + p.presence_penalty for c in counts.values()],
+                                            device=dev)))  # fmt: skip
+    _put(scores, items, accumulate=True)
     # 3. logit_bias, 4. min_tokens
     _put(scores, [(j, s.sampler.bias_ids, s.sampler.bias_values) for j, s in enumerate(rows)
                   if s.sampler.bias_ids is not None], accumulate=True)  # fmt: skip
@@ -148,7 +159,7 @@ def _process(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
     if js:
         knobs = [(s.params.temperature, s.params.top_k or 0, s.params.top_p or 1.0, s.params.min_p or 0.0)
                  for s in (rows[j] for j in js)]  # fmt: skip
-        scores[idx] = warp(scores[idx], knobs)
+        scores = warp(scores, knobs) if len(js) == S else scores.index_copy(0, idx, warp(scores[idx], knobs))
     return scores
 
 
@@ -166,24 +177,26 @@ def warp(scores: torch.Tensor, knobs: list[tuple[float, int, float, float]]) -> 
     and the rows whose top-p mass is spread wider, go through ``filter_logits``.
     """
     n, V = scores.shape
+    dev = scores.device
     out = scores
     rest = list(range(n))
     short = [i for i, (_, k, p, m) in enumerate(knobs) if k == 0 and m == 0.0 and p < 1.0]
     if short and V > TOP_P_CANDIDATES:
-        idx = torch.tensor(short, device=scores.device)
-        t = torch.tensor([knobs[i][0] for i in short], device=scores.device)[:, None]
-        sub = scores[idx] / t  # [s, V]: the division TemperatureLogitsWarper makes
+        t = torch.tensor([knobs[i][0] for i in short], device=dev)[:, None]
+        # [s, V]: the division TemperatureLogitsWarper makes
+        sub = (scores if len(short) == n else scores[torch.tensor(short, device=dev)]) / t
         vals, ids = sub.topk(TOP_P_CANDIDATES, dim=-1)  # [s, K] descending
-        probs = torch.exp(vals.double() - torch.logsumexp(sub.double(), dim=-1, keepdim=True))  # [s, K]
+        probs = torch.exp((vals - torch.logsumexp(sub, dim=-1, keepdim=True)).double())  # [s, K]
         above = probs.cumsum(-1) - probs  # probability of the tokens more likely than each one
-        p = torch.tensor([knobs[i][2] for i in short], dtype=torch.float64, device=scores.device)[:, None]
-        kept = torch.full_like(sub, _NEG_INF).scatter_(1, ids, vals.masked_fill(above >= p, _NEG_INF))
+        p = torch.tensor([knobs[i][2] for i in short], dtype=torch.float64, device=dev)[:, None]
+        kept = sub.fill_(_NEG_INF).scatter_(1, ids, vals.masked_fill(above >= p, _NEG_INF))  # reuses sub
         inside = (probs.sum(-1) >= p[:, 0] + 1e-6).tolist()  # the cut falls among the candidates
         done = [i for i, ok in zip(short, inside) if ok]
+        if len(done) == n:
+            return kept
         if done:
-            out = scores.clone()
-            pos = torch.tensor([j for j, ok in enumerate(inside) if ok], device=scores.device)
-            out[torch.tensor(done, device=scores.device)] = kept[pos]
+            pos = torch.tensor([j for j, ok in enumerate(inside) if ok], device=dev)
+            out = scores.index_copy(0, torch.tensor(done, device=dev), kept[pos])
             rest = [i for i in rest if i not in set(done)]
     rest = [i for i in rest if knobs[i] != (1.0, 0, 1.0, 0.0)]
     if rest:
@@ -196,22 +209,6 @@ def warp(scores: torch.Tensor, knobs: list[tuple[float, int, float, float]]) -> 
         out = out.clone() if out is scores else out
         out[idx] = filter_logits(scores[idx], t, k, p, m)
     return out
-
-
-def _token_bag(token_lists: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``[n, vocab]``: per list, whether each id occurs (bool) or how often (float). Ids >= vocab are dropped."""
-    width = max((len(t) for t in token_lists), default=0)
-    ids = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)  # padded with the dropped column
-    for i, t in enumerate(token_lists):
-        if t:
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long).clamp(max=vocab)
-    ids = ids.to(device)
-    bag = torch.zeros(len(token_lists), vocab + 1, dtype=dtype, device=device)
-    if dtype == torch.bool:
-        bag.scatter_(1, ids, True)
-    else:
-        bag.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
-    return bag[:, :vocab]
 
 
 def _put(scores: torch.Tensor, items: list[tuple[int, torch.Tensor, torch.Tensor | None]], accumulate=False) -> None:
@@ -231,13 +228,13 @@ def _put(scores: torch.Tensor, items: list[tuple[int, torch.Tensor, torch.Tensor
 def _draw(scores: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
     """``[S]``: argmax of greedy rows; for sampling rows, a draw from ``softmax(scores)`` by inverting the cumulative
     distribution at one uniform number per row (float64 sums), from the request's own generator when seeded."""
-    choice = scores.argmax(-1)
     js = [j for j, s in enumerate(rows) if s.params.do_sample]
     if not js:
-        return choice
+        return scores.argmax(-1)
     dev = scores.device
+    choice = scores.argmax(-1) if len(js) < len(rows) else torch.zeros(len(rows), dtype=torch.long, device=dev)
     where = torch.tensor(js, device=dev)
-    cdf = torch.softmax(scores[where], dim=-1).cumsum(-1, dtype=torch.float64)  # [n, V]
+    cdf = torch.softmax(scores if len(js) == len(rows) else scores[where], dim=-1).cumsum(-1, dtype=torch.float64)
     uniform = torch.empty(len(js), dtype=torch.float64, device=dev)
     unseeded = [i for i, j in enumerate(js) if rows[j].sampler.generator is None]
     if unseeded:
