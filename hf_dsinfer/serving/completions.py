@@ -1,14 +1,16 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions`` of ``hf-dsinfer serve``: parse a request, submit one
-engine request per choice, and answer with one JSON body or a stream of server-sent events.
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` of ``hf-dsinfer serve``: validate a request
+(:mod:`.protocol`), submit one engine request per choice (:mod:`.engine_requests`), and answer with one JSON body or a
+stream of server-sent events (:mod:`.responses`).
 
-Every request becomes one engine request per choice, so concurrent HTTP requests are continuously batched on the
-fused layers and identical prompt prefixes share KV blocks. This layer parses, validates, streams and counts; the
-engine decides every token.
+Every choice is its own engine request, so concurrent HTTP requests are continuously batched on the fused layers and
+identical prompt prefixes share KV blocks. This layer parses, validates, streams and counts; the engine decides every
+token. A client that goes away cancels its engine requests: a stream when its connection closes, a non-streaming
+request as soon as the server sees the disconnect (a task waits for it while the choices run), so generation stops
+within one engine step.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``request: Request``) at runtime.
 import asyncio
-import copy
 import json
 import time
 import uuid
@@ -16,28 +18,46 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..log import logger
+from .detokenizer import IncrementalDetokenizer
 from .engine import RequestHandle, ServingEngine
-from .http_common import RequestError, json_body, param
+from .engine_requests import (
+    PromptSet,
+    chat_prompt,
+    completion_prompts,
+    fit_context,
+    model_sampling_defaults,
+    sampling_params,
+)
+from .http_common import RequestError, json_body
+from .protocol import ParsedRequest, parse_request
+from .responses import ChoiceState, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .tool_output import ToolOutput, constraint_for, tool_parser_for
 
 __all__ = ["CompletionService"]
 
-# OpenAI parameters this server cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "seed": (None,),
-                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "tools": (None, []),
-                "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}  # fmt: skip
-
 
 @dataclass
-class _Choice:
-    """One engine request behind one answer choice: its incremental text and stop strings."""
+class _Job:
+    """One HTTP request in flight: its parsed fields, prompts and one :class:`ChoiceState` per choice."""
 
-    index: int
-    handle: RequestHandle | None = None
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""  # decoded text so far, cut at a stop string
-    sent: int = 0  # characters of ``text`` already streamed
-    finish_reason: str | None = None
-    error: str | None = None
+    req: ParsedRequest
+    rid: str
+    prompts: PromptSet
+    choices: list[ChoiceState]
+    params: list[Any]
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+    tools: list[ToolOutput | None] = field(default_factory=list)
+
+    @property
+    def chat(self) -> bool:
+        return self.req.chat
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts.ids)  # once per prompt, whatever n is
+        completion = 0 if self.req.get("max_tokens") == 0 else sum(c.consumed for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class CompletionService:
@@ -50,25 +70,38 @@ class CompletionService:
         default_max_tokens: new tokens of a chat completion that sets no ``max_tokens`` (completions default to 16,
             as OpenAI's API does); capped by what is left of the context.
         max_choices: the largest ``n`` times the number of prompts one request may ask for.
+        max_model_len: the longest request (prompt + new tokens); None: the engine's limit.
+        tool_call_parser: the name of the tool-call parser (``--tool-call-parser``); None: chosen for the model.
     """
 
     def __init__(self, engine: ServingEngine, tokenizer: Any, model_name: str, *, default_max_tokens: int = 256,
-                 max_choices: int = 16):  # fmt: skip
+                 max_choices: int = 16, max_model_len: int | None = None,
+                 tool_call_parser: str | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.max_choices = default_max_tokens, max_choices
+        limit = engine.runner.max_positions
+        self.max_model_len = limit if max_model_len is None else min(int(max_model_len), limit)
+        self.tool_call_parser = tool_call_parser
+        config = engine.generation_config
+        self.defaults = model_sampling_defaults(config)
+        if self.defaults:
+            logger.info("hf_dsinfer serving: default sampling settings from the model's generation config: %s",
+                        self.defaults)  # fmt: skip
+        eos = getattr(config, "eos_token_id", None)
+        eos = [*(eos if isinstance(eos, (list, tuple)) else [eos]), getattr(tokenizer, "eos_token_id", None)]
+        self.eos_token_ids = frozenset(int(e) for e in eos if e is not None and int(e) >= 0)
 
     def register(self, app: Any) -> None:
         """Add the routes to the FastAPI ``app``."""
         from fastapi import Request
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         async def handle(request: Request, chat: bool) -> Any:
-            body = await json_body(request)
-            prompts, config, stops, n, stream, include_usage = self._parse(body, chat)
-            if stream:
-                return StreamingResponse(self._stream(prompts, config, stops, n, chat, include_usage),
-                                         media_type="text/event-stream")  # fmt: skip
-            return JSONResponse(await self._complete(prompts, config, stops, n, chat))
+            job = await self._prepare(await json_body(request), chat)
+            if job.req.stream:
+                return StreamingResponse(self._stream(job), media_type="text/event-stream")
+            body = await self._complete(job, request)
+            return Response(status_code=499) if body is None else JSONResponse(body)  # 499: the client went away
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
@@ -78,98 +111,45 @@ class CompletionService:
         async def completions(request: Request) -> Any:
             return await handle(request, chat=False)
 
-    # -- parsing -----------------------------------------------------------------------------------------------------
+    # -- preparing ---------------------------------------------------------------------------------------------------
 
-    def _parse(self, body: dict, chat: bool) -> tuple[list[list[int]], Any, list[str], int, bool, bool]:
-        """Validate one request body: (prompt token ids per prompt, GenerationConfig, stop strings, n, stream,
-        include_usage). Raises :class:`RequestError`."""
-        model = param(body, "model", str)
-        if model is None:
-            raise RequestError("'model' is required (GET /v1/models lists it)", param="model")
-        if model != self.model_name:
-            raise RequestError(f"The model '{model}' does not exist: this server serves '{self.model_name}'",
+    async def _prepare(self, body: dict, chat: bool) -> _Job:
+        """Parse and validate ``body``, render the prompts and build each choice's engine settings (400s here)."""
+        req = parse_request(body, chat)
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(f"The model '{req.model}' does not exist: this server serves '{self.model_name}'",
                                status=404, param="model", code="model_not_found")  # fmt: skip
-        for name, neutral in _UNSUPPORTED.items():
-            if name in body and body[name] not in neutral:
-                raise RequestError(f"'{name}' is not supported by this server; leave it out", param=name)
-        prompts = self._chat_prompt(body) if chat else self._completion_prompts(body)
-        n = param(body, "n", int, 1)
-        if n < 1 or n * len(prompts) > self.max_choices:
-            raise RequestError(f"'n'={n} with {len(prompts)} prompt(s): between 1 and {self.max_choices} choices in "
+        prompts = chat_prompt(req, self.tokenizer) if chat else completion_prompts(req, self.tokenizer)
+        if len(prompts.ids) * req.n > self.max_choices:
+            raise RequestError(f"'n'={req.n} with {len(prompts.ids)} prompt(s): at most {self.max_choices} choices in "
                                "all per request", param="n")  # fmt: skip
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-            raise RequestError("'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
-        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = param(body, name, int)
-        if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"'{name}' must be >= 1, got {max_tokens}", param=name)
-        longest = max(len(p) for p in prompts)
-        room = self.engine.runner.max_positions - longest
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise RequestError(
-                f"This model's context is {self.engine.runner.max_positions} tokens; the prompt has {longest} and "
-                f"asks for {max_tokens or 1} more: shorten the prompt or lower '{name}'",
-                param=name, code="context_length_exceeded",
-            )  # fmt: skip
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens if chat else 16, room)
-        config = copy.deepcopy(self.engine.generation_config)
-        config.max_new_tokens, config.max_length = max_tokens, None
-        temperature = param(body, "temperature", (int, float))
-        top_p = param(body, "top_p", (int, float))
-        if temperature is not None and not 0 <= temperature <= 2:
-            raise RequestError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise RequestError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-        if temperature == 0:
-            config.do_sample = False  # OpenAI's greedy
-        elif temperature is not None:
-            config.do_sample, config.temperature = True, float(temperature)
-        if top_p is not None:
-            config.top_p = float(top_p)
-        if not config.do_sample:
-            config.temperature, config.top_p, config.top_k = 1.0, 1.0, None  # no sampling knobs on greedy requests
-        stream = param(body, "stream", bool, False)
-        options = param(body, "stream_options", dict, {})
-        return prompts, config, stops, n, stream, bool(options.get("include_usage"))
+        max_tokens = fit_context(req, prompts, self.max_model_len, self.default_max_tokens if chat else 16)
+        vocab = self.engine.runner.vocab
+        # Compiling a grammar can take a while: off the event loop, so other requests keep streaming meanwhile.
+        constraint = await asyncio.to_thread(constraint_for, req, self.tokenizer, vocab, self.eos_token_ids)
+        params = [
+            sampling_params(req, index=i, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, vocab=vocab,
+                            defaults=self.defaults, constraint=constraint)
+            for i in range(req.n)
+        ]  # fmt: skip
+        stops = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+        enders = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.eos_token_ids)
+        choices = [
+            ChoiceState(index=p * req.n + i, prompt_index=p, tokenizer=self.tokenizer, stops=tuple(stops),
+                        include_stop=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+                        stop_token_ids=enders, min_tokens=req.min_tokens)
+            for p in range(len(prompts.ids)) for i in range(req.n)
+        ]  # fmt: skip
+        rid = req.request_id or uuid.uuid4().hex
+        job = _Job(req, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", prompts, choices, params)
+        job.tools = [tool_parser_for(req, self.tokenizer, self.tool_call_parser) for _ in choices]
+        return job
 
-    def _chat_prompt(self, body: dict) -> list[list[int]]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-        messages = [{**m, "content": _text_content(m)} for m in messages]
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return [self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def _completion_prompts(self, body: dict) -> list[list[int]]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise RequestError("'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
-        out = []
-        for p in prompt:
-            if isinstance(p, str) and p:
-                out.append(self.tokenizer(p)["input_ids"])
-            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                if min(p) < 0 or max(p) >= len(self.tokenizer):
-                    raise RequestError(f"'prompt' token ids must be in [0, {len(self.tokenizer)})", param="prompt")
-                out.append(p)
-            else:
-                raise RequestError("each prompt must be a non-empty string or list of token ids", param="prompt")
-        return out
-
-    # -- running -----------------------------------------------------------------------------------------------------
-
-    def _submit(self, prompts: list[list[int]], config: Any, n: int) -> tuple[list[_Choice], asyncio.Queue]:
-        """Submit one engine request per choice; updates arrive on the returned queue as choice indices."""
+    def _submit(self, job: _Job) -> asyncio.Queue:
+        """Submit one engine request per choice; updates arrive on the returned queue as choice indices (None: the
+        client went away)."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        choices = [_Choice(i) for i in range(len(prompts) * n)]
 
         def on_update(index: int) -> Any:
             def notify(handle: RequestHandle, new_tokens: list[int], finished: bool) -> None:
@@ -181,129 +161,227 @@ class CompletionService:
 
             return notify
 
+        n = job.req.n
         try:
-            for c in choices:
-                c.handle = self.engine.submit(prompts[c.index // n], config, on_update=on_update(c.index))
+            for c in job.choices:
+                c.handle = self.engine.submit(
+                    job.prompts.ids[c.prompt_index], sampling_params=job.params[c.index % n],
+                    request_id=f"{job.rid}-{c.index}", on_update=on_update(c.index),
+                )  # fmt: skip
         except ValueError as e:  # settings or a length the engine refuses, named in the message
-            self._cancel(choices)
+            self._cancel(job)
             raise RequestError(str(e)) from e
         except RuntimeError as e:  # the engine stopped after an error
-            self._cancel(choices)
+            self._cancel(job)
             raise RequestError(str(e), status=503) from e
-        return choices, updates
+        return updates
 
     @staticmethod
-    def _cancel(choices: list[_Choice]) -> None:
-        for c in choices:
+    def _cancel(job: _Job) -> None:
+        for c in job.choices:
             if c.handle is not None and not c.handle.done:
                 c.handle.cancel()
 
-    def _advance(self, c: _Choice, stops: list[str]) -> str:
-        """Bring ``c`` up to date with its handle; returns the text that may be sent now."""
-        h = c.handle
-        done = h.done  # read before the tokens: once done, the tokens are final
-        c.tokens = list(h.tokens)
-        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:  # a stop string: the text ends before it, and the engine stops generating for this choice
-            text, done = text[:cut], True
-            c.finish_reason = "stop"
-            h.cancel()
-        elif done:
-            c.finish_reason = {"cancelled": "abort"}.get(h.finish_reason, h.finish_reason)
-            c.error = h.error
-        c.text = text
-        if done:
-            return text[c.sent :]
-        # Hold back an incomplete UTF-8 character and what could be the start of a stop string.
-        safe = len(text.rstrip("\ufffd"))
-        if stops:
-            safe = min(safe, len(text) - max(len(s) for s in stops) + 1)
-        return text[c.sent : max(c.sent, safe)]
+    def _log(self, job: _Job, outcome: str | None = None) -> None:
+        """The access-log line of one request."""
+        usage = job.usage()
+        reasons = outcome or ",".join(sorted({str(c.finish_reason) for c in job.choices}))
+        logger.info("hf_dsinfer request %s %s: prompt_tokens=%d completion_tokens=%d latency=%.3fs finish=%s%s",
+                    job.rid, "chat" if job.chat else "completion", usage["prompt_tokens"], usage["completion_tokens"],
+                    time.perf_counter() - job.started, reasons, " stream" if job.req.stream else "")  # fmt: skip
 
-    async def _complete(self, prompts: list[list[int]], config: Any, stops: list[str], n: int, chat: bool) -> dict:
-        choices, updates = self._submit(prompts, config, n)
+    @staticmethod
+    def _failure(job: _Job) -> RequestError | None:
+        failed = [c for c in job.choices if c.finish_reason in ("error", "abort")]
+        if not failed:
+            return None
+        return RequestError(f"generation failed: {failed[0].error or 'the server is shutting down'}", status=503)
+
+    # -- one JSON answer -----------------------------------------------------------------------------------------
+
+    async def _complete(self, job: _Job, request: Any) -> dict | None:
+        """Wait for every choice; None when the client disconnected first (its engine requests are cancelled)."""
+        updates = self._submit(job)
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            updates.put_nowait(None)
+
+        watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            while any(c.finish_reason is None for c in choices):
-                c = choices[await updates.get()]
-                if c.finish_reason is None:  # not a late update of a choice already cut at a stop string
-                    self._advance(c, stops)
+            while not all(c.done for c in job.choices):
+                index = await updates.get()
+                if index is None:
+                    self._log(job, "client_disconnected")
+                    return None
+                job.choices[index].advance()
         finally:
-            self._cancel(choices)
-        failed = [c for c in choices if c.finish_reason in ("error", "abort")]
-        if failed:
-            raise RequestError(f"generation failed: {failed[0].error or 'the server is shutting down'}", status=503)
-        usage = self._usage(prompts, n, choices)
-        if chat:
-            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "logprobs": None} for c in choices]  # fmt: skip
-            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                    "model": self.model_name, "choices": out, "usage": usage}  # fmt: skip
-        out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None} for c in choices]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": out, "usage": usage}  # fmt: skip
+            watcher.cancel()
+            self._cancel(job)
+        error = self._failure(job)
+        self._log(job, "error" if error else None)
+        if error is not None:
+            raise error
+        return self._chat_body(job) if job.chat else self._completion_body(job)
 
-    async def _stream(self, prompts: list[list[int]], config: Any, stops: list[str], n: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
-        """Server-sent events: one chunk per new piece of text of a choice, then its finish chunk, then [DONE]."""
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}  # fmt: skip
+    def _chat_body(self, job: _Job) -> dict:
+        req, tok = job.req, self.tokenizer
+        out = []
+        for c, tools in zip(job.choices, job.tools):
+            message: dict[str, Any] = {"role": "assistant", "content": job.prompts.echo_prefix + c.text}
+            finish = c.finish_reason
+            if tools is not None:
+                content, calls = tools.parse(c.text)
+                message["content"] = (job.prompts.echo_prefix + content) or None
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                      "logprobs": chat_logprobs(tok, c.logprob_entries(), req.return_tokens_as_token_ids)
+                      if req.logprobs else None}  # fmt: skip
+            if req.return_token_ids:
+                choice["token_ids"] = c.tokens
+            out.append(choice)
+        body = {"id": job.rid, "object": "chat.completion", "created": job.created, "model": self.model_name,
+                "choices": out, "usage": job.usage()}  # fmt: skip
+        if req.return_token_ids:
+            body["prompt_token_ids"] = job.prompts.ids[0]
+        if req.prompt_logprobs is not None:
+            entries = job.choices[0].handle.prompt_logprobs
+            body["prompt_logprobs"] = vllm_prompt_logprobs(tok, job.prompts.ids[0], entries)
+        return body
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+    def _completion_body(self, job: _Job) -> dict:
+        req, tok = job.req, self.tokenizer
+        out = []
+        for c in job.choices:
+            prefix = job.prompts.texts[c.prompt_index] if req.echo else ""
+            scored_only = req.max_tokens == 0  # echo with max_tokens 0: the prompt alone
+            text = prefix + ("" if scored_only else c.text)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(job, c, 0, 0 if scored_only else c.consumed, echo=req.echo)
+            choice = {"index": c.index, "text": text, "finish_reason": "length" if scored_only else c.finish_reason,
+                      "stop_reason": c.stop_reason, "logprobs": logprobs}  # fmt: skip
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = job.prompts.ids[c.prompt_index]
+                choice["token_ids"] = [] if scored_only else c.tokens
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, job.prompts.ids[c.prompt_index],
+                                                                 c.handle.prompt_logprobs)  # fmt: skip
+            out.append(choice)
+        return {"id": job.rid, "object": "text_completion", "created": job.created, "model": self.model_name,
+                "choices": out, "usage": job.usage()}  # fmt: skip
+
+    def _completion_logprobs(self, job: _Job, c: ChoiceState, start: int, end: int, echo: bool) -> dict:
+        """Completions log-probs of tokens ``[start, end)`` of ``c``; with ``echo`` the prompt's come first."""
+        base = len(job.prompts.texts[c.prompt_index]) if job.req.echo else 0
+        prompt, offsets = None, []
+        if echo:
+            ids = job.prompts.ids[c.prompt_index]
+            entries = c.handle.prompt_logprobs or [None] * len(ids)
+            prompt = list(zip(ids, entries))
+            detok, at = IncrementalDetokenizer(self.tokenizer, job.req.skip_special_tokens), 0
+            for token in ids:
+                offsets.append(at)
+                at += len(detok.step(token))
+        offsets += c.offsets(start, end, base)
+        return completion_logprobs(self.tokenizer, c.logprob_entries(start, end), offsets,
+                                   job.req.return_tokens_as_token_ids, prompt)  # fmt: skip
+
+    # -- streaming -----------------------------------------------------------------------------------------------
+
+    async def _stream(self, job: _Job) -> AsyncIterator[str]:
+        """Server-sent events: per choice its pieces of text (with their tokens' log-probs), its finish, then usage
+        (when asked) and ``[DONE]``."""
+        req = job.req
+        head = {"id": job.rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                "created": job.created, "model": self.model_name}  # fmt: skip
+        every = bool((req.stream_options or {}).get("continuous_usage_stats"))
+
+        def event(choice: dict, extra: dict | None = None) -> str:
+            usage = {"usage": job.usage()} if every else {}
+            return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {}), **usage})}\n\n"
 
         try:
-            choices, updates = self._submit(prompts, config, n)
+            updates = self._submit(job)
         except RequestError as e:  # headers are sent already: report the error as an event
             yield f"data: {json.dumps(e.body())}\n\ndata: [DONE]\n\n"
             return
+        outcome = "client_disconnected"
         try:
-            if chat:
-                for c in choices:
-                    yield chunk(c.index, None, None, role=True)
-            while any(c.finish_reason is None for c in choices):
-                c = choices[await updates.get()]
-                if c.finish_reason is not None:
-                    continue  # a late update of a choice cut at a stop string
-                piece = self._advance(c, stops)
-                c.sent += len(piece)
+            for first, extra in self._first_events(job):
+                yield event(first, extra)
+            while not all(c.done for c in job.choices):
+                index = await updates.get()
+                c = job.choices[index]
+                if c.done:
+                    continue  # a late update of a choice already cut at a stop string
+                c.advance()
                 if c.finish_reason in ("error", "abort"):
-                    err = RequestError(f"generation failed: {c.error or 'the server is shutting down'}", status=503)
-                    yield f"data: {json.dumps(err.body())}\n\n"
+                    yield f"data: {json.dumps(self._failure(job).body())}\n\n"
                     break
-                if piece:
-                    yield chunk(c.index, piece, None)
-                if c.finish_reason is not None:
-                    yield chunk(c.index, None, c.finish_reason)
-            if include_usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self._usage(prompts, n, choices)})}\n\n"
+                piece = c.pending(req.stream_interval)
+                if piece is not None or c.done:
+                    yield event(self._chunk(job, c, piece))
+            if req.stream_options and req.stream_options.get("include_usage"):
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': job.usage()})}\n\n"
             yield "data: [DONE]\n\n"
+            outcome = None
         finally:  # also when the client disconnects: free the engine's slots
-            self._cancel(choices)
+            self._cancel(job)
+            self._log(job, outcome)
 
-    @staticmethod
-    def _usage(prompts: list[list[int]], n: int, choices: list[_Choice]) -> dict[str, int]:
-        prompt_tokens = sum(len(p) for p in prompts) * n
-        completion = sum(len(c.tokens) for c in choices)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
+    def _first_events(self, job: _Job) -> list[tuple[dict, dict | None]]:
+        """The opening chunk of each choice: the assistant role (chat, with an echoed prefix), or the echoed prompt
+        (completions); with ``return_token_ids`` it carries ``prompt_token_ids`` (vLLM's)."""
+        req, out = job.req, []
+        for c in job.choices:
+            ids = {"prompt_token_ids": job.prompts.ids[c.prompt_index]} if req.return_token_ids else None
+            if job.chat:
+                choice = {"index": c.index, "delta": {"role": "assistant", "content": job.prompts.echo_prefix},
+                          "logprobs": None, "finish_reason": None}  # fmt: skip
+            elif req.echo or ids:
+                logprobs = None
+                if req.echo and req.logprobs is not None:
+                    logprobs = self._completion_logprobs(job, c, 0, 0, echo=True)
+                text = job.prompts.texts[c.prompt_index] if req.echo else ""
+                choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": None}
+            else:
+                continue
+            out.append((choice, ids))
+        return out
 
-
-def _text_content(message: dict) -> str:
-    """A message's text: a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts (text only)."""
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(message.get("role"), str) or not isinstance(content, str):
-        raise RequestError("each message needs a string 'role' and a text 'content' (a string or text parts)",
-                           param="messages")  # fmt: skip
-    return content
+    def _chunk(self, job: _Job, c: ChoiceState, piece: Any) -> dict:
+        """One streamed chunk of ``c``: the new text ``piece`` (may be None at the finish) and its tokens."""
+        req = job.req
+        text, start, end = ("", c.sent_tokens, c.sent_tokens) if piece is None else (piece.text, piece.start, piece.end)
+        finish = c.finish_reason if c.done else None
+        if job.chat:
+            delta: dict[str, Any] = {}
+            tools = job.tools[c.index]
+            if tools is not None:
+                content, calls = tools.feed(text, final=c.done)
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = calls
+                if finish == "stop" and tools.called:
+                    finish = "tool_calls"
+            elif text:
+                delta["content"] = text
+            logprobs = None
+            if req.logprobs:
+                logprobs = chat_logprobs(self.tokenizer, c.logprob_entries(start, end), req.return_tokens_as_token_ids)
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(job, c, start, end, echo=False)
+            choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = c.stop_reason
+        if req.return_token_ids:
+            choice["token_ids"] = c.handle.tokens[start:end]
+        return choice

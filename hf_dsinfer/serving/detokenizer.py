@@ -32,15 +32,30 @@ class IncrementalDetokenizer:
         self._prefix = self._read = 0  # window start and the first token whose text is not out yet
 
     def step(self, token_id: int) -> str:
-        if self._stream is not None:
-            return self._stream.step(self._backend, int(token_id)) or ""
         ids = self._ids
         ids.append(int(token_id))
+        if self._stream is not None:
+            out = self._stream.step(self._backend, int(token_id))
+            if out:
+                self._ids = []  # held ids: those since the last text out (they start on a character boundary)
+            return out or ""
         before = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=self.skip)
         after = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=self.skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # nothing new, or a character still incomplete
         self._prefix, self._read = self._read, len(ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """The text of the tokens still held at the end of the output (a character cut by the last token: as
+        ``tokenizer.decode`` writes it, with replacement characters)."""
+        if self._stream is not None:
+            held, self._ids = self._ids, []
+            return self.tokenizer.decode(held, skip_special_tokens=self.skip) if held else ""
+        ids = self._ids
+        before = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=self.skip)
+        self._prefix = self._read = len(ids)
         return after[len(before) :]
 
 

@@ -118,11 +118,32 @@ def _messages(raw: list) -> list[dict]:
     return out
 
 
+def _tools_as_text(messages: list[dict], tools: list | None, tokenizer: Any) -> list[dict]:
+    """For a chat template that ignores ``tools`` (or ``tool_calls``), as SmolLM2's does: the tools declared in a
+    system message and the assistant's calls written as text, in the ``json`` tool parser's format, so that neither
+    is dropped silently."""
+    from .tool_calls import template_renders_tools, tool_calls_as_text, tools_system_prompt
+
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    if "tool_calls" not in template:
+        for m in messages:
+            if m.get("tool_calls"):
+                calls = m.pop("tool_calls")
+                m["content"] = (m["content"] + "\n" if m["content"] else "") + tool_calls_as_text(calls)
+    if tools and not template_renders_tools(tokenizer):
+        note = tools_system_prompt(tools)
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{note}"
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+    return messages
+
+
 def chat_prompt(req: ParsedRequest, tokenizer: Any) -> PromptSet:
     """Render ``messages`` with the model's chat template (tools, documents, template kwargs) and tokenize them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
-    messages = _messages(req.messages)
+    messages = _tools_as_text(_messages(req.messages), req.tools, tokenizer)
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:

@@ -128,8 +128,9 @@ FIELDS: tuple[FieldSpec, ...] = (
        endpoints=(CHAT,), check=_range(0, MAX_LOGPROBS)),
     _f("max_completion_tokens", "integer", None, HONOURED, "OpenAI's newer name for `max_tokens` (wins over it).",
        endpoints=(CHAT,), check=_range(1, None)),
-    _f("tools", "array", None, HONOURED, "Functions the model may call, passed to the chat template as `tools=`; "
-       "calls in the output are parsed into `tool_calls`.", endpoints=(CHAT,)),
+    _f("tools", "array", None, HONOURED, "Functions the model may call, passed to the chat template as `tools=` "
+       "(a template that ignores them, as SmolLM2's, gets them in a system message instead); calls in the output are "
+       "parsed into `tool_calls` (`--tool-call-parser`).", endpoints=(CHAT,)),
     _f("tool_choice", "string|object", None, HONOURED, '`"none"`, `"auto"` (default with tools), `"required"` or '
        '`{"type": "function", "function": {"name"}}`: required and named are constrained to a valid call.',
        endpoints=(CHAT,)),

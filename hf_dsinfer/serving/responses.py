@@ -87,6 +87,11 @@ class ChoiceState:
                 h.cancel()  # the engine stops generating for this choice before its next step
                 return
         if finished and self.consumed >= len(h.tokens):
+            tail = self._detok.flush()  # a character the last token left incomplete, as tokenizer.decode shows it
+            if tail:
+                self.text += tail
+                if self.ends:
+                    self.ends[-1] = len(self.text)
             self.finish_reason = _FINISH.get(h.finish_reason, h.finish_reason)
             self.stop_reason = h.stop_reason if h.finish_reason == "stop" else None
             self.error = h.error
