@@ -171,6 +171,14 @@ def test_structured_json_and_a_required_tool_call(served):
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, repr(c.message.content)
     call = c.message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    # streamed: the call arrives as tool_call deltas that add up to the same call
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=40, temperature=0,
+        tools=tools, tool_choice="required", parallel_tool_calls=False, stream=True))  # fmt: skip
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
     # the call goes back as an assistant message, its result as a tool message
     follow = [{"role": "user", "content": "Weather in Paris?"}, c.message.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]

@@ -81,6 +81,11 @@ class CompletionService:
         self.default_max_tokens, self.max_choices = default_max_tokens, max_choices
         limit = engine.runner.max_positions
         self.max_model_len = limit if max_model_len is None else min(int(max_model_len), limit)
+        if tool_call_parser is not None:
+            from .tool_calls import TOOL_PARSERS
+
+            if tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser={tool_call_parser!r}: pick one of {sorted(TOOL_PARSERS)}")
         self.tool_call_parser = tool_call_parser
         config = engine.generation_config
         self.defaults = model_sampling_defaults(config)

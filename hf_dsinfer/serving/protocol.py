@@ -105,7 +105,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _f("top_p", "number", 1.0, HONOURED, "Nucleus sampling: the smallest set of tokens with this probability mass.",
        check=_range(0, 1, lo_open=True)),
     _f("seed", "integer", None, HONOURED, "The request's own random generator: the same text alone and among other "
-       "requests; choice `i` of `n` uses `seed + i` (as vLLM)."),
+       "requests; choice `i` of `n` uses `seed + i` (as vLLM).", check=_range(-(2**63), 2**63 - 1)),
     _f("presence_penalty", "number", 0.0, HONOURED, "Subtracted from the logit of every token generated so far.",
        check=_range(-2, 2)),
     _f("frequency_penalty", "number", 0.0, HONOURED, "Times the count of each token generated so far, subtracted "
