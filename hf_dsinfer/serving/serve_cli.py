@@ -164,10 +164,17 @@ def serve_main(args: Any) -> None:
         except json.JSONDecodeError as e:
             msg = f"--inference-config is not valid JSON ({e}); pass a JSON object or a JSON file path"
             raise SystemExit(msg) from e
+    from ..generation.threads import apply_threads, warn_if_busy
+    from ..real_model import resolve_model_name
+
+    apply_threads(args.threads)  # before loading: torch's CPU threads, process-wide
+    warn_if_busy(args.threads, how="--threads 1")
+    path = resolve_model_name(args.model)  # "smollm2": the offline real model, served under the name given
+    served_name = args.served_model_name or (args.model if path != args.model else None)
     try:
         kv_memory = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
         serve(
-            args.model, config, host=args.host, port=args.port, served_model_name=args.served_model_name,
+            path, config, host=args.host, port=args.port, served_model_name=served_name,
             max_model_len=args.max_model_len, kv_cache_memory=kv_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, default_max_tokens=args.default_max_tokens,
             block_size=args.block_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
@@ -184,7 +191,7 @@ def serve_main(args: Any) -> None:
 def add_serve_arguments(parser: Any) -> None:
     """The options of ``hf-dsinfer serve`` (vLLM's names where the option is the same)."""
     add = parser.add_argument
-    add("model", help="model folder or hub id (a folder saved with an inference config reloads it)")
+    add("model", help="model folder, hub id or 'smollm2' (a folder saved with an inference config reloads it)")
     add("--inference-config", help="the inference config: a JSON object or a JSON file path")
     add("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     add("--port", type=int, default=8000)
@@ -193,6 +200,7 @@ def add_serve_arguments(parser: Any) -> None:
     add("--max-model-len", type=int, help="context length: prompt plus new tokens of one request (default: the "
         "model's own, e.g. max_position_embeddings; sets the inference config's max_out_tokens)")  # fmt: skip
     add("--default-max-tokens", type=int, default=256, help="new tokens of chat completions without max_tokens")
+    add("--threads", type=int, help="torch CPU threads for the process (default: torch's, one per core)")
     add("--runner", choices=("auto", "generate", "pooling"), default="auto", help="generate (chat, completions) or "
         "pooling (an embedding model: /v1/embeddings); auto: pooling for a sentence-transformers folder or a model "
         "without an LM head (default)")  # fmt: skip
