@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -42,8 +43,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "step's compile (in the background) or captures CUDA graphs (default: on)",
     )
     p.add_argument("--wait-compile", action="store_true",
-                   help="wait until the compiled CPU decode step is ready before the timed call, so that every "
-                   "decode step of it runs compiled (default: decode eagerly meanwhile)")  # fmt: skip
+                   help="compile the CPU decode step in the warm-up call and wait for it, so that every decode step "
+                   "of the timed call runs compiled (default: cpu_compile='auto', which compiles in the background "
+                   "only once eager steps have run long enough to pay for it)")  # fmt: skip
 
 
 def parse_set(pairs: list[str]) -> dict:
@@ -125,6 +127,7 @@ def generation_report(
         "total_ms": round(wall_s * 1e3, 2),
         "warmup_ms": None if warmup_s is None else round(warmup_s * 1e3, 2),
         "includes_warmup": warmup_s is None,
+        "compiled_steps": None,  # decode steps that ran the compiled CPU step (None: no compiled step on this path)
         "eager_steps_while_compiling": 0,
         "notes": [],
     }
@@ -141,8 +144,11 @@ def print_generation(report: dict, texts_printed: bool = False) -> None:
     else:
         warmup = "no warm-up call (--no-warmup): the figures include the first call's compile / capture"
     print(f"-- {warmup}")
-    eager = report.get("eager_steps_while_compiling", 0)
-    compiling = f", {eager} decode steps ran eagerly while the compile was running" if eager else ""
+    compiling, eager, done = "", report.get("eager_steps_while_compiling", 0), report.get("compiled_steps")
+    if done == 0 and not eager:
+        compiling = ", eager decode steps: --wait-compile compiles them"
+    elif done is not None:
+        compiling = f", {done} decode steps compiled" + (f", {eager} eager while compiling" if eager else "")
     print(
         f"-- prompt tokens: {report['prompt_tokens']}, new tokens: {report['new_tokens']} "
         f"(batch {report['batch_size']}), time to first token: {'n/a' if ttft is None else f'{ttft:.1f} ms'}, "
@@ -188,6 +194,8 @@ def _compiled_step(model: Any) -> Any:
 def generate_main(args: argparse.Namespace) -> None:
     """``hf-dsinfer generate`` (``args`` from :func:`add_generate_arguments`'s parser)."""
     setup_threads(args.threads)
+    if args.wait_compile and os.environ.get("HF_DSINFER_CPU_COMPILE", "1").strip().lower() not in ("0", "false"):
+        os.environ["HF_DSINFER_CPU_COMPILE"] = "sync"  # the first decode step compiles and waits (the notice says so)
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from .generation.stats import last_generate_stats
@@ -218,9 +226,8 @@ def generate_main(args: argparse.Namespace) -> None:
         model.generate(**enc, **{**gen, "max_new_tokens": min(2, args.max_new_tokens)})
         warmup_s = time.perf_counter() - start
     compiled = _compiled_step(model)
-    if args.wait_compile and compiled is not None:
-        compiled.wait()
     eager_before = compiled.eager_while_compiling if compiled is not None else 0
+    replays_before = compiled.runner.stats.replays if compiled is not None and compiled.runner is not None else 0
     stream = args.stream and not args.json and len(texts_in) == 1
     streamer = None
     if stream:
@@ -240,6 +247,8 @@ def generate_main(args: argparse.Namespace) -> None:
     report["chat"] = chat
     if compiled is not None:
         report["eager_steps_while_compiling"] = compiled.eager_while_compiling - eager_before
+        if compiled.runner is not None:  # None: the step never ran (cpu_compile off by environment, GPU, ...)
+            report["compiled_steps"] = compiled.runner.stats.replays - replays_before
     has_template = bool(getattr(tok, "chat_template", None))
     note = empty_reply_note(new[:, 0].tolist() if new.shape[1] else [], _eos_ids(model, tok), chat, has_template)
     if note is not None:
