@@ -137,7 +137,7 @@ def write_plot(report: dict, path: str) -> None:
         import matplotlib
     except ImportError as e:
         raise SystemExit(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib (or pip install -e '.[plot]' in a clone)"
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or -e '.[plot]' in a clone)"
         ) from e
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt

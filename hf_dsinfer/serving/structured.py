@@ -81,7 +81,7 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError as e:  # pragma: no cover - the serve and dev extras install it
         raise ImportError(
-            "structured outputs need the xgrammar package: pip install -e '.[serve]' in a clone (or pip install xgrammar)"
+            "structured outputs need the xgrammar package: pip install xgrammar (or -e '.[serve]' in a clone)"
         ) from e
     return xgrammar
 
