@@ -129,6 +129,18 @@ def test_max_model_len(tiny_path):
         serving_inference_config(tiny_path, {"max_out_tokens": 64}, max_model_len=128)
 
 
+def test_context_of_a_folder_saved_with_an_inference_config(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.serving.serve_cli import serving_inference_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, inference_config={"dtype": "fp32", "max_out_tokens": 96})
+    model.save_pretrained(tmp_path / "saved")
+    saved = serving_inference_config(str(tmp_path / "saved"))
+    assert saved.max_out_tokens == 96 and str(saved.dtype) in ("fp32", "float32")  # the saved config, its context
+    assert serving_inference_config(str(tmp_path / "saved"), max_model_len=200).max_out_tokens == 200  # the flag wins
+
+
 def test_api_key_and_open_probes(served):
     _, base, root = served
     assert call(base + "/models", key=None)[0] == 401
