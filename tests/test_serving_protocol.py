@@ -312,3 +312,20 @@ def test_json_body_shapes_of_the_table():
     assert len(rows) == len(FIELDS)
     assert all(row.count(" | ") >= 5 for row in rows)
     assert json.loads(json.dumps([f.default for f in FIELDS]))  # defaults are JSON
+
+
+def test_stream_interval_batches_tokens_per_chunk(tok):
+    from hf_dsinfer.serving.responses import ChoiceState
+
+    ids = tok("one two three four five six seven eight")["input_ids"]
+    c = ChoiceState(0, 0, tok)
+    c.handle = h = _Handle()
+    pieces = []
+    for i, t in enumerate(ids):
+        h.tokens.append(t)
+        h.done, h.finish_reason = i == len(ids) - 1, "length" if i == len(ids) - 1 else None
+        c.advance()
+        if (piece := c.pending(interval=3)) is not None:
+            pieces.append(piece)
+    assert [p.end - p.start for p in pieces[:-1]] == [3] * (len(pieces) - 1) and pieces[-1].end == len(ids)
+    assert "".join(p.text for p in pieces) == tok.decode(ids) and c.finish_reason == "length"
