@@ -310,7 +310,10 @@ def _generate_processors(config: Any, prompt_len: int, max_new_tokens: int, eos:
             out.append(lp.LogitNormalization())
         return out
 
-    build(torch.device("cpu"))  # a bad value fails at submit, with transformers' own message
+    try:
+        build(torch.device("cpu"))  # a bad value fails at submit, with transformers' own message
+    except Exception as e:  # noqa: BLE001 - e.g. a processor class this transformers release lacks (top_h)
+        raise ValueError(f"generation_config: transformers' logits processors refuse these settings: {e}") from e
     return build
 
 
@@ -373,6 +376,7 @@ class Sequence:
     generated: int = 0
     admissions: int = 0  # > 1 after a preemption
     sampler: Any = None  # its RequestSampler (serving.sampling), made at its first step; survives preemption
+    lora: Any = None  # its LoRA adapter (serving.lora.LoRAAdapter), or None: the base model
 
     def __post_init__(self) -> None:
         if not self.tokens:
