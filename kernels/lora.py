@@ -102,7 +102,8 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
     n, k = x.shape
     loras, rank, _ = lora_a.shape
     if y.shape[0] != n or slots.shape[0] != n:
-        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and slots {tuple(slots.shape)} need one row per token")
+        shapes = f"x {tuple(x.shape)}, y {tuple(y.shape)} and slots {tuple(slots.shape)}"
+        raise ValueError(f"{shapes} need one row per token")
     if lora_a.shape[2] != k:
         raise ValueError(f"lora_a must be [L, R, K={k}] (K = x's last dim), got {tuple(lora_a.shape)}")
     if lora_b.shape != (loras, y.shape[1], rank):

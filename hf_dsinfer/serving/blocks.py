@@ -38,9 +38,11 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def prefix_keys(tokens: list[int], block_size: int) -> list[bytes]:
-    """Keys of the blocks covering ``tokens`` (the last one partial if ``len(tokens)`` is not a multiple)."""
-    keys, parent = [], b""
+def prefix_keys(tokens: list[int], block_size: int, root: bytes = b"") -> list[bytes]:
+    """Keys of the blocks covering ``tokens`` (the last one partial if ``len(tokens)`` is not a multiple).
+
+    ``root``: what else the KV depends on (a LoRA adapter's key): equal tokens under other roots never share."""
+    keys, parent = [], root
     for start in range(0, len(tokens), block_size):
         parent = block_key(parent, tokens[start : start + block_size])
         keys.append(parent)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..log import logger
+from .lora import LoRAAdapter, LoRARegistry
 from .omp import release_idle_openmp_workers
 from .requests import SamplingParams, Sequence, TokenLogprobs
 from .runner import PagedRunner
@@ -211,6 +212,9 @@ class ServingEngine:
         max_num_seqs: requests running at once (the rest wait).
         prefix_sharing: reuse the KV blocks of identical prompt prefixes (reference-counted, copy-on-write).
         generation_config: defaults for requests submitted without one (default: the model's).
+        enable_lora: serve LoRA adapters per request (vLLM's ``--enable-lora``): :meth:`load_lora_adapter`, then
+            ``submit(..., adapter=name)``; requests of different adapters and the base share each step.
+        max_loras / max_lora_rank: adapter slots held at once, and the largest rank an adapter may have.
     """
 
     def __init__(
@@ -223,6 +227,9 @@ class ServingEngine:
         max_num_seqs: int = 64,
         prefix_sharing: bool = True,
         generation_config: Any = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
@@ -251,6 +258,11 @@ class ServingEngine:
         self.finish_listeners: list[Callable[[RequestHandle], None]] = []
         #: record every request's token times (``RequestHandle.timestamps``), as ``submit(record_timestamps=True)``.
         self.record_timestamps = False
+        #: the LoRA adapters (None unless ``enable_lora``); a finished request stops holding its adapter.
+        self.lora = LoRARegistry(model, max_loras, max_lora_rank) if enable_lora else None
+        self.runner.lora = self.lora
+        if self.lora is not None:
+            self.finish_listeners.append(lambda handle: self.lora.release(getattr(handle, "adapter", None)))
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
@@ -265,6 +277,7 @@ class ServingEngine:
         on_update: Callable[[RequestHandle, list[int], bool], None] | None = None,
         record_timestamps: bool = False,
         tokenizer: Any = None,
+        adapter: str | None = None,
         **overrides: Any,
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (the request joins at the next step).
@@ -277,7 +290,8 @@ class ServingEngine:
         ``stop_token_ids=``, ...). One submit is one sequence (``num_return_sequences`` is the caller's: submit the
         prompt again). ``on_update(handle, new_tokens, finished)`` is called from the stepping thread after each
         step that changes the request (keep it short; e.g. ``loop.call_soon_threadsafe`` for asyncio). Invalid
-        settings or a request that can never fit raise ``ValueError`` here.
+        settings or a request that can never fit raise ``ValueError`` here. ``adapter``: the name of a loaded LoRA
+        adapter (engine built with ``enable_lora=True``) the request runs with; None: the base model.
         """
         prompt = [int(t) for t in input_ids]
         if sampling_params is not None:
@@ -293,17 +307,42 @@ class ServingEngine:
         self.scheduler.check_fits(len(prompt) + params.max_new_tokens)
         if self._fatal is not None:
             raise RuntimeError(f"the serving engine stopped after an error: {self._fatal!r}")
+        lora = self._lora_for(adapter)
         rid = request_id if request_id is not None else f"req_{next(self._ids)}"
         handle = RequestHandle(rid, prompt, on_update, params)
         handle.record_timestamps = record_timestamps or self.record_timestamps
         handle._cancel = self._request_cancel
         handle._listeners = self.finish_listeners
-        seq = Sequence(rid, prompt, params, handle)
+        handle.adapter = adapter  # the registry's finish listener releases it
+        seq = Sequence(rid, prompt, params, handle, lora=lora)
         with self._wake:
             self._incoming.append(seq)
             self._stats.requests_submitted += 1
             self._wake.notify()
         return handle
+
+    def _lora_for(self, adapter: str | None) -> LoRAAdapter | None:
+        """The loaded adapter a request asks for (counted in use), or None for the base model."""
+        if adapter is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"adapter={adapter!r}: LoRA adapters are not enabled; build the engine with "
+                             "enable_lora=True (hf-dsinfer serve --enable-lora)")  # fmt: skip
+        return self.lora.acquire(adapter)
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Load the peft adapter folder ``path`` as ``name`` between two steps (see :class:`~.lora.LoRARegistry`)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled; build the engine with enable_lora=True")
+        with self.paused():
+            return self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (refused while unfinished requests use it)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled; build the engine with enable_lora=True")
+        with self.paused():
+            self.lora.unload(name)
 
     def _request_cancel(self, handle: RequestHandle) -> None:
         with self._wake:

@@ -70,6 +70,7 @@ class PagedRunner:
         self.cache = PagedKVCache([s.num_kv_heads for s in specs], [s.head_dim for s in specs], num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, self.cache.copy_block)
         self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.lora = None  # a serving.lora.LoRARegistry when adapters are enabled (the engine sets it)
 
     def _default_blocks(self, model: nn.Module, specs: list, block_size: int, max_num_seqs: int) -> int:
         """Room for ``max_num_seqs`` requests of ``max_out_tokens``, within half the free GPU memory (a quarter of the
@@ -137,7 +138,15 @@ class PagedRunner:
         self.cache.allocate(hidden.device, hidden.dtype)
         if runtime.rotary is not None and runtime.rotary.cos.device != hidden.device:
             runtime.rotary.to(hidden.device)
-        hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+        if self.lora is None:
+            hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+        else:  # each token's adapter slot (-1: base) for the LoRA side paths, for this forward only
+            slots = [-1 if s.lora is None else s.lora.slot for s, n in plan.chunks for _ in range(n)]  # [T]
+            self.lora.set_step(slots, device)
+            try:
+                hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+            finally:
+                self.lora.set_step(None, device)
         head = model.get_output_embeddings()
         where, owners = prompt_logprob_rows(plan.chunks, device)
         if where:  # prompt log-probs: the LM head over those requests' prompt positions only

@@ -179,7 +179,8 @@ class Scheduler:
             seq.cacheable_len = len(seq.tokens)
             return []
         if seq.cacheable_len != len(seq.tokens) or not seq.block_keys:
-            seq.block_keys = prefix_keys(seq.tokens, self.blocks.block_size)
+            root = b"" if seq.lora is None else seq.lora.key  # another adapter's KV differs for the same tokens
+            seq.block_keys = prefix_keys(seq.tokens, self.blocks.block_size, root)
             seq.cacheable_len = len(seq.tokens)
         return seq.block_keys
 
