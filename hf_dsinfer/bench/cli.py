@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict
 
 import torch
@@ -148,6 +149,8 @@ def _quant_peers(value: str | None) -> tuple[str, ...]:
 
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
+    # warm-up calls must finish the CPU decode step's compile (by default it runs in the background meanwhile)
+    os.environ.setdefault("HF_DSINFER_CPU_COMPILE", "sync")
     if getattr(ns, "serve_url", None) or getattr(ns, "serve_peers", None):
         from .http_bench import http_main
 
