@@ -175,3 +175,45 @@ def test_side_path_through_the_triton_kernel(setup, engine, monkeypatch):
     assert calls
     for a, h in handles:
         assert h.result() == _peft_alone(setup["oracle"], a, prompt)[:4], a
+
+
+def test_openai_client_picks_the_adapter_by_model(setup, engine):
+    """Over HTTP (openai client): ``model`` picks the adapter or the base, ``/v1/models`` lists the adapters, and
+    vLLM's ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` change what is served while the server runs."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from hf_dsinfer.serving.server import OpenAIServer
+
+    tok = AutoTokenizer.from_pretrained(setup["base"])
+    server = OpenAIServer(engine, tok, "base")
+    url = server.start("127.0.0.1", 0)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
+        loaded = engine.lora.names()
+        assert [m.id for m in client.models.list().data] == ["base", *loaded]
+        prompt = prompts((6,), seed=13)[0]
+
+        def check(model: str, adapter: str | None) -> None:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+            want = _peft_alone(setup["oracle"], adapter, prompt)[:5]
+            assert r.model == model and r.choices[0].text == tok.decode(want), model
+
+        check("base", None)
+        check("a8", "a8")
+        with pytest.raises(openai.NotFoundError, match="LoRA adapters"):
+            client.completions.create(model="c2", prompt=prompt, max_tokens=2)
+        post = client.with_options(max_retries=0).post
+        text = post("/load_lora_adapter", body={"lora_name": "c2", "lora_path": setup["dirs"]["a16"]}, cast_to=str)
+        assert "c2" in text and "c2" in [m.id for m in client.models.list().data]
+        check("c2", "a16")  # the same folder as a16, under its own name
+        with pytest.raises(openai.BadRequestError, match="--max-loras"):
+            post("/load_lora_adapter", body={"lora_name": "c3", "lora_path": setup["dirs"]["a2"]}, cast_to=str)
+        post("/unload_lora_adapter", body={"lora_name": "c2"}, cast_to=str)
+        with pytest.raises(openai.NotFoundError):
+            post("/unload_lora_adapter", body={"lora_name": "c2"}, cast_to=str)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="c2", prompt=prompt, max_tokens=2)
+    finally:
+        server.stop()

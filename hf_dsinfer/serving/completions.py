@@ -49,6 +49,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     tools: list[ToolOutput | None] = field(default_factory=list)
+    adapter: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
 
     @property
     def chat(self) -> bool:
@@ -121,8 +122,10 @@ class CompletionService:
     async def _prepare(self, body: dict, chat: bool) -> _Job:
         """Parse and validate ``body``, render the prompts and build each choice's engine settings (400s here)."""
         req = parse_request(body, chat)
-        if req.model is not None and req.model != self.model_name:
-            raise RequestError(f"The model '{req.model}' does not exist: this server serves '{self.model_name}'",
+        adapters = self.engine.lora.names() if self.engine.lora is not None else []  # --enable-lora
+        if req.model is not None and req.model != self.model_name and req.model not in adapters:
+            also = f" and the LoRA adapters {adapters}" if adapters else ""
+            raise RequestError(f"The model '{req.model}' does not exist: this server serves '{self.model_name}'{also}",
                                status=404, param="model", code="model_not_found")  # fmt: skip
         prompts = chat_prompt(req, self.tokenizer) if chat else completion_prompts(req, self.tokenizer)
         if len(prompts.ids) * req.n > self.max_choices:
@@ -148,6 +151,7 @@ class CompletionService:
         rid = req.request_id or uuid.uuid4().hex
         job = _Job(req, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", prompts, choices, params)
         job.tools = [tool_parser_for(req, self.tokenizer, self.tool_call_parser) for _ in choices]
+        job.adapter = req.model if req.model in adapters and req.model != self.model_name else None
         return job
 
     def _submit(self, job: _Job) -> asyncio.Queue:
@@ -171,7 +175,7 @@ class CompletionService:
             for c in job.choices:
                 c.handle = self.engine.submit(
                     job.prompts.ids[c.prompt_index], sampling_params=job.params[c.index % n],
-                    request_id=f"{job.rid}-{c.index}", on_update=on_update(c.index),
+                    request_id=f"{job.rid}-{c.index}", on_update=on_update(c.index), adapter=job.adapter,
                 )  # fmt: skip
         except ValueError as e:  # settings or a length the engine refuses, named in the message
             self._cancel(job)
@@ -248,8 +252,8 @@ class CompletionService:
             if req.return_token_ids:
                 choice["token_ids"] = c.tokens
             out.append(choice)
-        body = {"id": job.rid, "object": "chat.completion", "created": job.created, "model": self.model_name,
-                "choices": out, "usage": job.usage()}  # fmt: skip
+        body = {"id": job.rid, "object": "chat.completion", "created": job.created,
+                "model": job.adapter or self.model_name, "choices": out, "usage": job.usage()}  # fmt: skip
         if req.return_token_ids:
             body["prompt_token_ids"] = job.prompts.ids[0]
         if req.prompt_logprobs is not None:
@@ -276,8 +280,8 @@ class CompletionService:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, job.prompts.ids[c.prompt_index],
                                                                  c.handle.prompt_logprobs)  # fmt: skip
             out.append(choice)
-        return {"id": job.rid, "object": "text_completion", "created": job.created, "model": self.model_name,
-                "choices": out, "usage": job.usage()}  # fmt: skip
+        return {"id": job.rid, "object": "text_completion", "created": job.created,
+                "model": job.adapter or self.model_name, "choices": out, "usage": job.usage()}  # fmt: skip
 
     def _completion_logprobs(self, job: _Job, c: ChoiceState, start: int, end: int, echo: bool) -> dict:
         """Completions log-probs of tokens ``[start, end)`` of ``c``; with ``echo`` the prompt's come first."""
@@ -302,7 +306,7 @@ class CompletionService:
         (when asked) and ``[DONE]``."""
         req = job.req
         head = {"id": job.rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                "created": job.created, "model": self.model_name}  # fmt: skip
+                "created": job.created, "model": job.adapter or self.model_name}  # fmt: skip
         every = bool((req.stream_options or {}).get("continuous_usage_stats"))
 
         def event(choice: dict, extra: dict | None = None) -> str:

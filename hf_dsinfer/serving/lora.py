@@ -74,6 +74,8 @@ class LoRARegistry:
                 base = getattr(parent, leaf, None)
                 if src is None or not isinstance(base, Linear):
                     continue  # MoE experts, quantized linears: no side path (an adapter for them is refused)
+                if isinstance(base, MultiLoRALinear):  # an earlier engine's side path: this registry replaces it
+                    base = Linear(base.weight, base.bias, base.reduce)
                 names, rows = _parts(as_source(src), base.weight.shape[0])
                 if names is None:
                     continue

@@ -82,6 +82,10 @@ def build_server(
     prefix_sharing: bool = True,
     runner: str = "auto",
     pooler_config: dict | None = None,
+    enable_lora: bool = False,
+    lora_modules: dict[str, str] | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int = 16,
     **server_kwargs: Any,
 ) -> OpenAIServer:
     """Load ``path`` and build the engine and server ``hf-dsinfer serve`` runs (not started); logs what it sized.
@@ -109,8 +113,14 @@ def build_server(
     plan = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=context,
                          max_batch_tokens=max_batch_tokens, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                          gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+    if lora_modules and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    max_loras = max_loras or max(4, len(lora_modules or {}))
     engine = ServingEngine(model, block_size=block_size, num_blocks=plan.num_blocks, max_batch_tokens=max_batch_tokens,
-                           max_num_seqs=max_num_seqs, prefix_sharing=prefix_sharing)  # fmt: skip
+                           max_num_seqs=max_num_seqs, prefix_sharing=prefix_sharing, enable_lora=enable_lora,
+                           max_loras=max_loras, max_lora_rank=max_lora_rank)  # fmt: skip
+    for lora_name, lora_path in (lora_modules or {}).items():  # adapters served from the start (--lora-modules)
+        engine.load_lora_adapter(lora_name, lora_path)
     name = served_model_name or os.path.basename(os.path.normpath(path)) or path
     aliases = tuple({path, os.path.abspath(path), os.path.normpath(path)} - {name})
     server = OpenAIServer(engine, tokenizer, name, model_aliases=aliases, **server_kwargs)
@@ -183,9 +193,31 @@ def serve_main(args: Any) -> None:
             allowed_methods=_list(args.allowed_methods), allowed_headers=_list(args.allowed_headers),
             max_num_queued_reqs=args.max_num_queued_reqs, shutdown_timeout=args.shutdown_timeout,
             runner=getattr(args, "runner", "auto"), pooler_config=_pooler_config(getattr(args, "pooler_config", None)),
+            enable_lora=args.enable_lora, lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )  # fmt: skip
     except ValueError as e:  # a setting that cannot work, named in the message
         raise SystemExit(f"hf-dsinfer serve: {e}") from e
+
+
+def _lora_modules(items: list[str] | None) -> dict[str, str]:
+    """``--lora-modules`` entries (``name=path`` or vLLM's JSON ``{"name": ..., "path": ...}``) as ``{name: path}``."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SystemExit(f"--lora-modules {item!r}: a JSON entry needs 'name' and 'path' ({e})") from e
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"--lora-modules {item!r}: pass name=path_to_peft_folder")
+        if name in out:
+            raise SystemExit(f"--lora-modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def add_serve_arguments(parser: Any) -> None:
@@ -222,6 +254,14 @@ def add_serve_arguments(parser: Any) -> None:
                        "choices count n); past it a request gets 429 with Retry-After (default: no limit)")  # fmt: skip
     sched.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
                        help="do not share the KV blocks of identical prompt prefixes")  # fmt: skip
+    lora = parser.add_argument_group("LoRA adapters (docs/serving.md, Adapters)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve peft LoRA adapters: a request's model names "
+                      "its adapter (or the base model)")  # fmt: skip
+    lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="adapters to serve from the start: "
+                      "name=peft_folder (or a JSON object with name and path)")  # fmt: skip
+    lora.add_argument("--max-loras", type=int, help="adapters loaded at once (default: 4, or the number of "
+                      "--lora-modules if more)")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default: 16)")
     ops = parser.add_argument_group("operation")
     ops.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
                      "/health and /metrics stay open)")  # fmt: skip

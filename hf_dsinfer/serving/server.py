@@ -16,6 +16,7 @@ engine failed 503.
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``request: Request``) at runtime,
 # and ``Request`` is imported inside ``_build_app`` (FastAPI is an optional dependency).
+import asyncio
 import signal
 import socket
 import threading
@@ -27,7 +28,7 @@ from .completions import CompletionService
 from .embedding_routes import EmbeddingService
 from .engine import ServingEngine
 from .gate import Gate
-from .http_common import INSTALL_HINT, RequestError, bind_socket
+from .http_common import INSTALL_HINT, RequestError, bind_socket, json_body
 from .metrics import ServerMetrics
 from .tokenize_routes import TokenizeService
 
@@ -126,7 +127,10 @@ class OpenAIServer:
         async def models() -> dict:
             card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "hf_dsinfer",
                     "max_model_len": self.max_model_len}  # fmt: skip
-            return {"object": "list", "data": [card]}
+            return {"object": "list", "data": [card, *self._lora_cards()]}
+
+        if self.engine is not None and self.engine.lora is not None:
+            self._lora_routes(app)
 
         if self.completions is not None:
             self.completions.register(app)
@@ -142,6 +146,50 @@ class OpenAIServer:
             app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=list(methods or ["*"]),
                                allow_headers=list(headers or ["*"]))  # fmt: skip
         return app
+
+    def _lora_cards(self) -> list[dict]:
+        """``/v1/models`` entries of the loaded LoRA adapters (vLLM's: ``root`` the folder, ``parent`` the base)."""
+        lora = None if self.engine is None else self.engine.lora
+        if lora is None:
+            return []
+        return [{"id": a.name, "object": "model", "created": self.created, "owned_by": "hf_dsinfer", "root": a.path,
+                 "parent": self.model_name, "max_model_len": self.max_model_len}
+                for a in sorted(lora.adapters.values(), key=lambda a: a.name)]  # fmt: skip
+
+    def _lora_routes(self, app: Any) -> None:
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter``
+        ``{"lora_name"}`` (behind ``--api-key`` like every /v1 route); answers as vLLM's, in plain text."""
+        from fastapi import Request
+        from fastapi.responses import PlainTextResponse
+
+        def field(body: dict, name: str) -> str:
+            value = body.get(name)
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"'{name}' is required: a non-empty string", param=name)
+            return value
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Any:
+            body = await json_body(request)
+            name, path = field(body, "lora_name"), field(body, "lora_path")
+            if name == self.model_name:
+                raise RequestError(f"'{name}' is the base model's name; pick another lora_name", param="lora_name")
+            try:
+                await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+            except ValueError as e:
+                raise RequestError(str(e), param="lora_path") from e
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Any:
+            name = field(await json_body(request), "lora_name")
+            try:
+                await asyncio.to_thread(self.engine.unload_lora_adapter, name)
+            except KeyError as e:
+                raise RequestError(e.args[0], status=404, param="lora_name", code="model_not_found") from e
+            except ValueError as e:
+                raise RequestError(str(e), param="lora_name") from e
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def unhealthy_reason(self) -> str | None:
         """Why the server cannot serve now (``/health`` answers 503 with it), or None."""
