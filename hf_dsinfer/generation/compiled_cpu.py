@@ -70,13 +70,22 @@ class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry 
     """Raised instead of running the graph when compiled code is called only to compile it (a dry run)."""
 
 
+#: inductor settings of the compiled step. ``cpp.threads=1``: the generated C++ loops (norms, rotary, activations,
+#: softmax: a few thousand elements per decode step) run on one thread instead of opening an OpenMP parallel region of
+#: torch's thread count each; the GEMMs (extern calls to MKL / oneDNN) keep torch's threads. Every region ends in a
+#: barrier where all threads wait for the slowest, so with other processes on the cores a decode step of hundreds
+#: of regions stalled for whole scheduler time slices: 0.4-0.8 tok/s against HF eager's 0.9-1.6 in the same run, and
+#: 2.0-2.9 with one-thread loops (docs/generation.md has the runs). Part of the compile cache's key.
+INDUCTOR_OPTIONS = {"cpp.threads": 1}
+
+
 def _inductor_with_dry_run(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-    """torch.compile's backend: inductor's ``compile_fx``, and a wrapper that raises :class:`CompileOnly` instead of
-    running the graph while this thread is in a dry run. Dynamo has cached the guarded code by then, so the next call
-    with the same guards runs the compiled graph without compiling."""
+    """torch.compile's backend: inductor's ``compile_fx`` (with :data:`INDUCTOR_OPTIONS`), and a wrapper that raises
+    :class:`CompileOnly` instead of running the graph while this thread is in a dry run. Dynamo has cached the guarded
+    code by then, so the next call with the same guards runs the compiled graph without compiling."""
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, example_inputs)
+    compiled = compile_fx(gm, example_inputs, config_patches=dict(INDUCTOR_OPTIONS))
 
     def run(*args: object) -> object:
         if getattr(_DRY_RUN, "on", False):
