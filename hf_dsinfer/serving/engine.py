@@ -23,7 +23,6 @@ Example (what ``hf-dsinfer serve`` does)::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import queue
 import threading
@@ -297,7 +296,7 @@ class ServingEngine:
         if sampling_params is not None:
             if generation_config is not None or max_new_tokens is not None:
                 raise ValueError("submit: pass either sampling_params or generation_config / max_new_tokens, not both")
-            params = _replace(sampling_params, overrides)
+            params = sampling_params.with_overrides(overrides)
         else:
             config = generation_config if generation_config is not None else self.generation_config
             params = SamplingParams.from_generation_config(
@@ -499,13 +498,3 @@ class ServingEngine:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = ServingStats()
-
-
-def _replace(params: SamplingParams, overrides: dict[str, Any]) -> SamplingParams:
-    """``params`` with ``overrides`` set; an unknown name is a ``ValueError`` naming it."""
-    if not overrides:
-        return params
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)})
-    if unknown:
-        raise ValueError(f"unknown sampling settings {unknown}: the fields are those of SamplingParams")
-    return dataclasses.replace(params, **overrides)

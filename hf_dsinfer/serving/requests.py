@@ -236,10 +236,13 @@ class SamplingParams:
             fields.update(temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0)
         if getattr(config, "stop_strings", None) or getattr(config, "max_time", None):
             fields["hf_criteria"] = _generate_criteria(config, tokenizer)
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown sampling settings {unknown}: the fields are those of SamplingParams")
+        _check_names(overrides)
         return cls(**{**fields, **overrides})
+
+    def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
+        """These settings with the fields in ``overrides`` changed; an unknown name is a ``ValueError`` naming it."""
+        _check_names(overrides)
+        return dataclasses.replace(self, **overrides) if overrides else self
 
     @property
     def greedy(self) -> bool:
@@ -255,6 +258,12 @@ class SamplingParams:
             and self.hf_processors is None
             and self.hf_criteria is None
         )
+
+
+def _check_names(overrides: dict[str, Any]) -> None:
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise ValueError(f"unknown sampling settings {unknown}: the fields are those of SamplingParams")
 
 
 def _generate_processors(config: Any, prompt_len: int, max_new_tokens: int, eos: list[int]) -> Callable:
