@@ -217,3 +217,24 @@ def test_openai_client_picks_the_adapter_by_model(setup, engine):
             client.completions.create(model="c2", prompt=prompt, max_tokens=2)
     finally:
         server.stop()
+
+
+def test_serve_command_line_options(setup):
+    """``hf-dsinfer serve``'s adapter options reach the engine: --lora-modules as name=DIR and as vLLM's JSON."""
+    import argparse
+
+    from hf_dsinfer.serving.serve_cli import _lora_modules, add_serve_arguments, build_server
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    a2, a8 = setup["dirs"]["a2"], setup["dirs"]["a8"]
+    args = parser.parse_args([setup["base"], "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"x={a2}",
+                              json.dumps({"name": "y", "path": a8})])  # fmt: skip
+    modules = _lora_modules(args.lora_modules)
+    assert modules == {"x": a2, "y": a8} and args.max_loras is None
+    with pytest.raises(SystemExit, match="name=path"):
+        _lora_modules(["no-equals-sign"])
+    server = build_server(setup["base"], INJECT, enable_lora=True, lora_modules=modules, max_lora_rank=8)
+    assert server.engine.lora.names() == ["x", "y"] and server.engine.lora.max_loras == 4
+    with pytest.raises(ValueError, match="--enable-lora"):
+        build_server(setup["base"], INJECT, lora_modules=modules)
