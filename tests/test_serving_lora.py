@@ -238,3 +238,34 @@ def test_serve_command_line_options(setup):
     assert server.engine.lora.names() == ["x", "y"] and server.engine.lora.max_loras == 4
     with pytest.raises(ValueError, match="--enable-lora"):
         build_server(setup["base"], INJECT, lora_modules=modules)
+
+
+def test_rank_and_alpha_patterns_and_a_model_with_fused_hf_projections(setup, engine, tmp_path):
+    """peft's rank_pattern / alpha_pattern (per-module rank and scale), and phi3, whose HF layers already hold the
+    fused qkv_proj / gate_up_proj (one adapted projection per fused linear): greedy equal to peft alone."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["base"], dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, rank_pattern={"q_proj": 8},
+                        alpha_pattern={"v_proj": 32, "down_proj": 2})  # fmt: skip
+    pm = get_peft_model(model, config)
+    randomize_lora(pm, seed=21, scale=0.3)
+    pm.save_pretrained(tmp_path / "pat")
+    engine.load_lora_adapter("pat", str(tmp_path / "pat"))
+    prompt = prompts((9,), seed=17)[0]
+    h = engine.submit(prompt, adapter="pat")
+    engine.run_until_idle()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(setup["base"], dtype=torch.float32).eval()
+    assert h.result() == _peft_alone(PeftModel.from_pretrained(ref, str(tmp_path / "pat"), adapter_name="p"), "p",
+                                     prompt)  # fmt: skip
+    engine.unload_lora_adapter("pat")
+
+    base = save_tiny("phi3", tmp_path / "phi3")
+    d = _save_adapter(base, str(tmp_path / "phi3-lora"), 4, 8, False, seed=5, targets=["qkv_proj", "o_proj",
+                      "gate_up_proj", "down_proj"])  # fmt: skip
+    opt = transformers.AutoModelForCausalLM.from_pretrained(base, inference_config=INJECT).eval()
+    eng = ServingEngine(opt, block_size=4, enable_lora=True, max_loras=1, generation_config=_greedy())
+    eng.load_lora_adapter("x", d)
+    handles = [eng.submit(prompt, adapter=a) for a in ("x", None)]
+    eng.run_until_idle()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    oracle = PeftModel.from_pretrained(ref, d, adapter_name="x").eval()
+    assert [h.result() for h in handles] == [_peft_alone(oracle, "x", prompt), _peft_alone(oracle, None, prompt)]
