@@ -23,7 +23,7 @@ from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import tl, triton
 from .backend import use_triton
 
-__all__ = ["lora_add", "lora_add_torch", "lora_add_triton"]
+__all__ = ["lora_add", "lora_add_torch", "lora_add_triton", "slot_groups"]
 
 
 @triton.jit
@@ -137,18 +137,33 @@ def lora_add_triton(
     return y
 
 
+def slot_groups(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """``[(slot, rows [n_s] int64)]`` for every adapter slot (>= 0) in the host list ``slots``: what
+    :func:`lora_add_torch` computes from the tensor, built once per step and passed to every layer's call."""
+    rows: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        if s >= 0:
+            rows.setdefault(s, []).append(i)
+    return [(s, torch.tensor(r, dtype=torch.long).to(device)) for s, r in sorted(rows.items())]
+
+
 def lora_add_torch(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`lora_add`: per adapter present, its tokens' delta in fp32, added once.
 
-    Groups the tokens by slot (one host read of the distinct slots), so it costs one pair of GEMMs per adapter.
+    Groups the tokens by slot (one host read of the distinct slots, or ``groups`` from :func:`slot_groups`), so it
+    costs one pair of GEMMs per adapter.
     """
     _check(y, x, lora_a, lora_b, slots)
-    for s in torch.unique(slots).tolist():
-        if s < 0:
-            continue
-        rows = (slots == s).nonzero().squeeze(1)  # [n_s]
+    if groups is None:
+        groups = [(s, (slots == s).nonzero().squeeze(1)) for s in torch.unique(slots).tolist() if s >= 0]
+    for s, rows in groups:  # rows [n_s]
         t = x[rows].float() @ lora_a[s].float().t()  # [n_s, R]
         delta = t @ lora_b[s].float().t()  # [n_s, O]
         y[rows] = (y[rows].float() + delta).to(y.dtype)
@@ -156,14 +171,20 @@ def lora_add_torch(
 
 
 def lora_add(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``y[n] += (x[n] @ lora_a[slots[n]].T) @ lora_b[slots[n]].T`` in place for every token with ``slots[n] >= 0``.
 
     ``x [N, K]``, ``y [N, O]`` (same dtype; unit last-dim stride, any row stride), ``lora_a [L, R, K]``,
     ``lora_b [L, O, R]`` (scaling folded in), ``slots [N]`` int32/int64 (-1: no adapter). Returns ``y``.
+    ``groups``: the torch path's token groups (:func:`slot_groups`), to skip reading ``slots`` back on every call.
     Dispatches on ``HF_DSINFER_BACKEND``.
     """
     if use_triton(x):
         return lora_add_triton(y, x, lora_a, lora_b, slots)
-    return lora_add_torch(y, x, lora_a, lora_b, slots)
+    return lora_add_torch(y, x, lora_a, lora_b, slots, groups)

@@ -167,7 +167,7 @@ def test_side_path_through_the_triton_kernel(setup, engine, monkeypatch):
     """The side paths on the gathered Triton kernel (the interpreter on CPU; the rest of the step on torch), one
     prompt under every adapter and the base in one batch: still equal to peft alone."""
     calls = []
-    monkeypatch.setattr(lora_module, "lora_add", lambda *a: calls.append(1) or lora_add_triton(*a))
+    monkeypatch.setattr(lora_module, "lora_add", lambda *a: calls.append(1) or lora_add_triton(*a[:5]))
     prompt = prompts((7,), seed=5)[0]
     names = [n for n in ("a8", "a16", "a2") if n in engine.lora.names()] + [None]
     handles = [(a, engine.submit(prompt, adapter=a, max_new_tokens=4)) for a in names]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_dsinfer.kernels.lora import lora_add
+from hf_dsinfer.kernels.lora import lora_add, slot_groups
 
 from .linear import Linear
 
@@ -26,11 +26,22 @@ from .linear import Linear
 class LoRASlots:
     """The current step's adapter slot of each token, read by every :class:`MultiLoRALinear` of one model.
 
-    ``slots [T]`` int32 on the model's device (-1: base), or None when no token of the step uses an adapter.
+    ``slots [T]`` int32 on the model's device (-1: base), or None when no token of the step uses an adapter;
+    ``groups``: the same as ``[(slot, token rows)]`` for the torch path (built once per step, not once per layer).
     """
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None
+        self.groups: list[tuple[int, torch.Tensor]] | None = None
+
+    def set(self, slots: list[int] | None, device: torch.device) -> None:
+        """This step's slot per token (None or all -1: no adapter runs)."""
+        if slots is None or max(slots, default=-1) < 0:
+            self.slots = self.groups = None
+            return
+        self.slots = torch.tensor(slots, dtype=torch.int32).to(device, non_blocking=True)  # [T]
+        # The torch path's groups; the CUDA kernel gathers per token and needs none (a torch path there rebuilds them).
+        self.groups = None if device.type == "cuda" else slot_groups(slots, device)
 
 
 class MultiLoRALinear(Linear):
@@ -87,7 +98,7 @@ class MultiLoRALinear(Linear):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [N, in], [N, out] (N = T of the step)
         if slots.shape[0] != x2.shape[0]:
             raise RuntimeError(f"LoRA slots for {slots.shape[0]} tokens, but the step has {x2.shape[0]}")
-        lora_add(y2, x2, self.lora_a, self.lora_b, slots)
+        lora_add(y2, x2, self.lora_a, self.lora_b, slots, self.state.groups)
         return y
 
     def extra_repr(self) -> str:

@@ -186,10 +186,7 @@ class LoRARegistry:
 
     def set_step(self, token_slots: list[int] | None, device: torch.device) -> None:
         """Give this step's tokens their slots (``None`` or all -1: no side path runs)."""
-        if token_slots is None or max(token_slots, default=-1) < 0:
-            self.state.slots = None
-        else:
-            self.state.slots = torch.tensor(token_slots, dtype=torch.int32).to(device, non_blocking=True)
+        self.state.set(token_slots, device)
 
 
 def _parts(src: object, out_rows: int) -> tuple[list[str] | None, list[int]]:

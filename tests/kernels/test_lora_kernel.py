@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hf_dsinfer.kernels.lora import lora_add, lora_add_torch, lora_add_triton
+from hf_dsinfer.kernels.lora import lora_add, lora_add_torch, lora_add_triton, slot_groups
 from tolerances import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -83,3 +83,11 @@ def test_lora_add_dispatch(monkeypatch):
     want = lora_add(y.clone(), x, a, b, slots)
     monkeypatch.setenv("HF_DSINFER_BACKEND", "triton")
     assert_close(lora_add(y.clone(), x, a, b, slots), want)
+
+
+def test_lora_add_torch_with_precomputed_groups():
+    """The groups a step builds once (slot_groups) give the same result as grouping inside the call."""
+    y, x, a, b, slots = _case(9, 40, 24, 3, 4, torch.float32, torch.device("cpu"), slots=[2, -1, 0, 2, 2, -1, 1, 0, 2])
+    groups = slot_groups(slots.tolist(), x.device)
+    assert [s for s, _ in groups] == [0, 1, 2] and groups[2][1].tolist() == [0, 3, 4, 8]
+    assert torch.equal(lora_add_torch(y.clone(), x, a, b, slots, groups), lora_add_torch(y.clone(), x, a, b, slots))
