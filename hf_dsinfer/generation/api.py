@@ -34,7 +34,7 @@ from .decode import DecodeGraphs, DecodeStep
 from .forward_graphs import install_forward_graphs
 from .loop import CURRENT_CALL, CallContext, FastLoopDeclined, check_capacity, decoding_loop, warn_fallback
 from .processors import fast_loop_blocker, resolve_generation_config, stop_string_criteria
-from .stats import StepTimer, forward_marks, record_stats
+from .stats import StepTimer, forward_marks, prompt_counts, record_stats
 
 GEN_ATTR = "_dsinfer_generation"
 
@@ -261,7 +261,10 @@ def _generate(self: nn.Module, state: GenerationState, args: tuple, kwargs: dict
     if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
         batch = seqs.shape[0]
         new = call.new_tokens or max(seqs.shape[1] - (width or 0), 0)
-        record_stats(self, timer.finish(batch, width or 0, new, call.path))
+        stats = timer.finish(batch, width or 0, new, call.path)
+        counts = prompt_counts(call, ids, kwargs.get("attention_mask"), batch)
+        stats.prompt_tokens_total, stats.prefill_tokens_computed = counts
+        record_stats(self, stats)
     return out
 
 

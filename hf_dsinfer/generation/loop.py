@@ -31,6 +31,7 @@ from .stats import StepTimer
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep",
                        "cache_position", "return_dict"}  # fmt: skip
 _SYNC_EVERY_CUDA = 8  # decode steps between stop checks when nothing else needs the host
+SHARE_PREFILL = True  # prefill each distinct prompt row once and copy its KV into its repeats (tests turn it off)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class CallContext:
     new_tokens: int = 0
     batch: int = 0
     draft: Any = None  # a fused assistant_model whose proposals the loop verifies (generation/speculative.py)
+    prompt_tokens: int = 0  # real (unpadded) prompt tokens of all rows, as ServingStats counts them
+    prefill_tokens: int = 0  # the ones the prefill computed (distinct rows only when repeats share a prefill)
     notes: list[str] = field(default_factory=list)
 
 
@@ -130,6 +133,56 @@ def _lookup(self, call: CallContext, plan: DecodePlan, input_ids, generation_con
                                  attentions=None, hidden_states=None, cache=handle)  # fmt: skip
 
 
+def _distinct_rows(input_ids: torch.Tensor, mask: Any, positions: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first [U], inverse [B])`` when some rows repeat another (GRPO's ``repeat_interleave``d prompts,
+    ``num_return_sequences``): ``first[u]`` is the first row of distinct prompt ``u``, ``inverse[b]`` the distinct
+    prompt of row ``b``. None when every row is distinct. One host sync."""
+    batch = input_ids.shape[0]
+    if batch < 2:
+        return None
+    key = [input_ids] + [t.to(input_ids.dtype) for t in (mask, positions) if isinstance(t, torch.Tensor)]
+    _, inverse = torch.unique(torch.cat(key, dim=1), dim=0, return_inverse=True)  # [B]
+    count = int(inverse.max()) + 1
+    if count == batch:
+        return None
+    rows = torch.arange(batch, device=inverse.device)
+    first = torch.full((count,), batch, dtype=torch.long, device=inverse.device)
+    first.scatter_reduce_(0, inverse, rows, "amin")  # [U]: the first row of each distinct prompt
+    _, order = torch.sort(first)  # distinct prompts in the order they first appear
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(count, device=order.device))
+    return first[order], rank[inverse]
+
+
+def _prefill(self, call: CallContext, input_ids: torch.Tensor, mask: Any, positions: Any) -> tuple[torch.Tensor, Any]:
+    """The prefill: fp32 logits of each row's last position ``[B, V]`` and the cache handle.
+
+    Rows that repeat another are not computed: each distinct prompt is prefilled once and its KV rows are copied
+    into its repeats in the static cache (rows are stored compactly from slot 0, so a copy of the row and its
+    length is the whole state). Counts ``call.prompt_tokens`` / ``call.prefill_tokens`` as ServingStats does."""
+    cache = call.state.runtime.cache
+    batch, width = input_ids.shape
+    real = mask.sum(dim=1) if isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape else None  # [B]
+    call.prompt_tokens = int(real.sum()) if real is not None else input_ids.numel()
+    shared = _distinct_rows(input_ids, mask, positions) if SHARE_PREFILL else None
+    if shared is not None:
+        dtype = self.get_input_embeddings().weight.dtype
+        cache.start(batch, input_ids.device, dtype)  # room for every row before the distinct ones are prefilled
+        first, inverse = shared
+        pick = (lambda t: t.index_select(0, first) if isinstance(t, torch.Tensor) else t)  # noqa: E731
+        out = self(input_ids=pick(input_ids), attention_mask=pick(mask), position_ids=pick(positions),
+                   use_cache=True, logits_to_keep=1, return_dict=True)  # fmt: skip
+        if cache.allocated_rows >= batch:  # else the forward re-allocated the cache smaller: prefill every row
+            logits = out.logits[:, -1].float().index_select(0, inverse)  # [B, V]
+            cache.reorder(inverse)  # rows [0, U) hold the distinct prompts: copy each into its repeats
+            cache.batch = batch
+            call.prefill_tokens = int(real.index_select(0, first).sum()) if real is not None else first.numel() * width
+            return logits, hf_compat.output_cache(out)
+    out = self(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+               return_dict=True)  # fmt: skip  (no cache: the injected forward starts a fresh sequence)
+    call.prefill_tokens = call.prompt_tokens
+    return out.logits[:, -1].float(), hf_compat.output_cache(out)
+
+
 def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_config, streamer, model_kwargs):
     state = call.state
     cache = state.runtime.cache
@@ -156,11 +209,7 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
         call.path = "fast+graphs"
 
     # -- prefill (the injected forward starts a fresh sequence in the static cache) --
-    out = self(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-               return_dict=True)  # fmt: skip  (no cache: the injected forward starts a fresh sequence)
-    logits = out.logits[:, -1].float()  # [B, V]
-    handle = hf_compat.output_cache(out)
-    del out
+    logits, handle = _prefill(self, call, input_ids, mask, positions)  # [B, V]
     proc = StepProcessor(plan, input_ids, logits.shape[-1], generator)
 
     seq = torch.empty(batch, prompt_len + n_new, dtype=torch.long, device=device)  # [B, P + N]

@@ -34,6 +34,9 @@ class GenerateStats:
     whole call; ``decode_tokens_per_s`` the same over the decode steps only. ``path``: ``fast`` (our loop),
     ``fast+graphs`` (decode steps replayed as CUDA graphs) or ``hf`` (transformers' loop). ``step_ms``: time of each
     forward step (prefill first), filled only when step timing was requested (:func:`step_timing`).
+    ``prompt_tokens`` is the prompt width (padding included); ``prompt_tokens_total`` the real prompt tokens of all
+    rows and ``prefill_tokens_computed`` the ones the prefill computed (fewer when repeated rows share one prefill),
+    as ``ServingStats.prompt_tokens`` / ``prefill_tokens_computed`` count them.
     """
 
     batch_size: int
@@ -46,6 +49,8 @@ class GenerateStats:
     total_ms: float
     path: str
     step_ms: list[float] = field(default_factory=list)
+    prompt_tokens_total: int = 0
+    prefill_tokens_computed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict."""
@@ -138,6 +143,19 @@ def forward_marks(model: nn.Module, timer: StepTimer) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def prompt_counts(call: Any, ids: Any, mask: Any, batch: int) -> tuple[int, int]:
+    """``(prompt_tokens_total, prefill_tokens_computed)`` of a call: the fast loop's counts (``call``), else (HF's
+    loop, which prefills every row) the real prompt tokens of the ``batch`` output rows."""
+    if getattr(call, "prompt_tokens", 0):
+        return call.prompt_tokens, call.prefill_tokens
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] == 0:
+        return 0, 0
+    per_prompt = batch // ids.shape[0] or 1  # num_return_sequences
+    real = mask.sum() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
+    total = int(real) * per_prompt
+    return total, total
 
 
 def record_stats(model: nn.Module | None, stats: GenerateStats) -> None:

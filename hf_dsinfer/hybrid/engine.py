@@ -15,20 +15,19 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import hf_compat
-from ..generation.api import GEN_ATTR, _max_new_tokens, _prompt_width
-from ..generation.loop import check_capacity
-from ..generation.processors import resolve_generation_config
+from ..generation.api import GEN_ATTR
 from ..log import logger
 from ..modules import cpu_packed
 from ..policies import get_injection, inject
 from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
+from .engine_generate import GenerateMixin
 from .stats import HybridStats
 from .tp import make_inference_tp
 from .weights import TrainingWeights
@@ -58,7 +57,7 @@ def _local_device(t: torch.Tensor) -> torch.device:
     return to_local().device if callable(to_local) else t.device
 
 
-class HybridEngine:
+class HybridEngine(GenerateMixin):
     """Switch a training model (HF ``PreTrainedModel`` or peft ``PeftModel`` with LoRA) into fast generation and back.
 
     Args:
@@ -91,6 +90,10 @@ class HybridEngine:
             ``stats.last.logp_diff`` (stale weights show at once). Costs two teacher-forced forwards of those rows
             per iteration. One inference rank only.
 
+        share_base: ``"auto"`` (default): frozen training weights (peft LoRA's base, ``requires_grad=False``) in the
+            inference dtype share their storage with the inference copy, LoRA added as a side path
+            (:mod:`.shared_base`); trainable or other-dtype tensors are copied. ``False``: copy everything.
+
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
     ``he.eval(); he.generate(...); he.train()``, or ``with he.inference(): he.generate(...)``. ``he.stats`` holds
@@ -108,6 +111,7 @@ class HybridEngine:
         config: Any = None,
         rollout_rows: int | None = None,
         logp_probe_rows: int = 0,
+        share_base: bool | str = "auto",
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -120,6 +124,11 @@ class HybridEngine:
         if isinstance(logp_probe_rows, bool) or not isinstance(logp_probe_rows, int) or logp_probe_rows < 0:
             raise ValueError(f"logp_probe_rows must be an integer >= 0 (0: probe off), got {logp_probe_rows!r}")
         self.logp_probe_rows = logp_probe_rows
+        if share_base not in ("auto", True, False):
+            raise ValueError(f"share_base={share_base!r}: use 'auto' (share frozen weights) or False (copy them)")
+        self.share_base = share_base
+        self._shared: Any = None  # SharedBase once built (hybrid/shared_base.py)
+        self._asleep: Any = None  # [(tensor, bytes)] freed by sleep() (hybrid/memory.py)
         self.sampling = sampling
         self.training_model = model
         self.weights = TrainingWeights(model)
@@ -229,9 +238,27 @@ class HybridEngine:
         install_generate(infer, self.config, get_injection(infer))
         self._plan(infer)
         self._refresh(infer)
+        self._share(infer)
         self._fingerprint = self._current_fingerprint()
         self._dirty = False
         return infer
+
+    def _share(self, infer: nn.Module) -> None:
+        """Frozen base weights: the training model's storage becomes the inference buffers' (:mod:`.shared_base`)."""
+        record = get_injection(infer)
+        if self.share_base is False or record is None:
+            return
+        if self.tp is not None or self._quant is not None:
+            why = "inference_tp_size > 1 (resharded)" if self.tp is not None else "a quantized copy"
+            logger.info("hf_dsinfer HybridEngine: %s: the frozen base weights are copied, not shared", why)
+            return
+        from .shared_base import SharedBase
+
+        shared = SharedBase(self, infer, record)
+        if shared.shared:
+            self._shared = shared
+            shared.refresh_lora(self.weights)
+            cpu_packed.invalidate(infer)
 
     def _match_layer_lists(self, infer: nn.Module) -> None:
         """Give the (meta) inference copy the layer lists the training model actually has.
@@ -298,11 +325,15 @@ class HybridEngine:
         """Copy (gather, LoRA-fuse, re-pack) every training weight into the inference buffers, in place."""
         w = self.weights
         record = get_injection(infer)
+        shared = self._shared.shared if self._shared is not None else set()
         with torch.no_grad():
             if record is not None:
                 train_layers = w.module(record.layers_prefix)
                 for i, wmap in enumerate(record.weight_maps):
                     prefix = f"{record.layers_prefix}.{i}."
+                    layer = record.runtime.layers[i]
+                    if shared:  # the frozen base slices are the training weights themselves: never written
+                        wmap = {k: v for k, v in wmap.items() if id(layer.get_parameter(k)) not in shared}
                     with w.gathered(train_layers[i]):
                         get = lambda n, p=prefix: self._read(p + n)  # noqa: E731
                         if self._quant is not None:  # quantized copy: quantize into the existing buffers
@@ -312,13 +343,20 @@ class HybridEngine:
                         else:
                             record.policy.pack_into(infer, i, record.runtime.layers[i], get, wmap)
             for name, param in self._plain:
+                if id(param) in shared:
+                    continue
                 with w.gathered(w.module(name.rpartition(".")[0])):
                     value = self._read(name)
                     if value.shape != param.shape:
                         raise ValueError(f"{name}: training shape {tuple(value.shape)} != {tuple(param.shape)}")
                     param.data.copy_(value)
-        # The writes above go through .data, which the version counter does not see: drop the CPU packed GEMM copies.
-        cpu_packed.invalidate(infer)
+        if self._shared is not None:
+            self._shared.refresh_lora(w)  # LoRA side paths of the shared base, in place
+        # The writes above go through .data, which the version counter does not see: the CPU packed GEMM copies of the
+        # rewritten weights are re-packed now, so the switch (refresh_ms) pays for them rather than the next generate.
+        from .memory import repack
+
+        repack(infer, shared)
 
     def _read(self, name: str) -> torch.Tensor:
         """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""
@@ -368,11 +406,16 @@ class HybridEngine:
         self._t_eval, self._t_train = now, None
         self._mode_before = self.training_model.training
         self.training_model.eval()
+        if self._asleep is not None:  # sleep() freed the copy: storage back and a full refresh, timed as the wake
+            t0 = self._now()
+            self.wake()
+            it.wake_ms = (self._now() - t0) * 1e3
+            it.refreshed = True
         fingerprint = self._current_fingerprint()
         stale = self.refresh_policy == "always" or self._dirty or fingerprint != self._fingerprint
         if self.tp is not None and self.refresh_policy == "auto":
             stale = self.tp.any_rank(stale, self.device)  # a group refreshes together: no rank keeps stale slices
-        if self.module is not None and stale:
+        if self.module is not None and stale and not it.wake_ms:
             self.weights.gather_s = 0.0
             t0 = self._now()
             self.refresh()
@@ -430,127 +473,44 @@ class HybridEngine:
             graphs.runner.reset()
             graphs.runner = None
 
-    # -- generation -------------------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds on top of the training model (:func:`.memory.engine_memory`).
 
-    @torch.no_grad()
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """HF ``generate`` arguments in, HF ``generate`` output out, run by the inference copy.
-
-        Outside inference mode this switches in for the call and back afterwards (a refresh each time: call
-        ``eval()`` first to generate several times from one refresh).
+        ``weights``: the inference copy's own parameters and buffers (LoRA side paths included; storage shared with
+        the training model's frozen base not counted), ``kv_cache``: the static KV cache as allocated now,
+        ``cpu_packed``: oneDNN-packed CPU copies of its linears, ``cuda_graphs``: the decode graphs' memory pool,
+        ``shared_with_training``: bytes of the frozen base both models use (informative, not held twice).
         """
-        if not self._in_inference:
-            with self.inference():
-                return self.generate(*args, **kwargs)
-        hf = self.weights.hf_model
-        if self.module is not None:
-            self.module.generation_config = hf.generation_config  # the user's generation defaults, shared
-        t0 = self._now()
-        if self.tp is None:
-            out = self._generate(args, kwargs)
-        else:  # the inference group generates its ranks' prompts as one batch; this rank gets its rows back
-            out = self.tp.generate(lambda **kw: self._generate((), kw), self.module, self.device, args, kwargs)
-        elapsed = self._now() - t0
-        seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-        it = self.stats.last
-        if it is not None:
-            it.generate_ms += elapsed * 1e3
-            it.generate_calls += 1
-            if isinstance(seqs, torch.Tensor) and seqs.ndim == 2:
-                prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-                width = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 0
-                it.samples += seqs.shape[0]
-                it.new_tokens += seqs.shape[0] * max(0, seqs.shape[1] - width)
-                if self.logp_probe_rows and it.generate_calls == 1 and isinstance(prompt, torch.Tensor):
-                    it.logp_diff = self._probe(seqs, prompt, kwargs)
-        return out
+        from .memory import engine_memory
 
-    def _probe(self, seqs: torch.Tensor, prompt: torch.Tensor, kwargs: dict[str, Any]) -> float | None:
-        """The ``logp_diff`` probe on this call's first rows (see :mod:`.probe`); None where it cannot run."""
-        if self.module is None or self.tp is not None:
-            return None
-        from .probe import logp_diff
-
-        mask = kwargs.get("attention_mask")
-        mask = mask if isinstance(mask, torch.Tensor) and mask.shape == prompt.shape else torch.ones_like(prompt)
-        gen_config = resolve_generation_config(self.module, kwargs)
-        sampled = gen_config is not None and gen_config.do_sample
-        temperature = float(gen_config.temperature or 1.0) if sampled else 1.0
-        training = self.weights.peft_model or self.weights.hf_model
-        return logp_diff(self.module, training, seqs, mask, self.logp_probe_rows, temperature)
-
-    def generate_batch(self, inputs: list[list[int]], generation_config: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """transformers' ``generate_batch`` (continuous batching) API, run by the engine's ``generate`` on left-padded
-        batches (:mod:`hf_dsinfer.hybrid.batch`): ``{request_id: GenerationOutput}`` in transformers' order."""
-        from .batch import generate_batch
-
-        return generate_batch(self, inputs, generation_config, **kwargs)
-
-    def _generate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """The inference copy's ``generate`` (hf_dsinfer's fast loop), or transformers' loop on the same copy for
-        sampled requests with ``sampling="hf"``; the training model's own ``generate`` when the engine is disabled."""
-        if self.module is None:
-            # The class's generate: an instance-level one may be HybridEngineCallback's router, which calls us.
-            peft_model = self.weights.peft_model
-            target = peft_model if peft_model is not None else self.weights.hf_model
-            return type(target).generate(target, *args, **kwargs)
-        state = getattr(self.module, GEN_ATTR, None)
-        if self.sampling == "hf" and state is not None and self._samples(kwargs):
-            width = _prompt_width(args, kwargs)
-            if state.runtime is not None and width is not None:
-                gen_config = resolve_generation_config(self.module, kwargs)
-                if gen_config is not None:  # an invalid config: transformers' generate raises its own error below
-                    check_capacity(width, _max_new_tokens(gen_config, width), state.runtime.cache.max_tokens)
-            with state.lock or nullcontext():  # one static cache: concurrent calls take turns
-                # transformers' generate, bound to the inference copy (the cache under the installed keyword)
-                return state.hf_generate(*args, **hf_compat.normalize_cache_kwargs(kwargs))
-        # TRL's disable_compile=True turns off transformers' torch.compile of the training model's forward; the
-        # engine owns how its copy runs, so its own decode step (compiled on CPU, graphs on CUDA) stays on.
-        return self.module.generate(*args, **kwargs)
-
-    def _request_flag(self, kwargs: dict[str, Any], name: str) -> bool:
-        """A generation flag of this request: from the call, else its generation config, else the model's."""
-        if name in kwargs:
-            return bool(kwargs[name])
-        config = kwargs.get("generation_config") or self.module.generation_config
-        return bool(getattr(config, name, False))
-
-    def _samples(self, kwargs: dict[str, Any]) -> bool:
-        """Whether this request samples (``do_sample`` from the call, its generation config, or the defaults)."""
-        return self._request_flag(kwargs, "do_sample")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The inference copy's forward (no gradients), e.g. to score sequences with the refreshed weights."""
-        with torch.no_grad():
-            if self.tp is not None:  # the group scores its ranks' rows together (hybrid/tp.py)
-                return self.tp.forward(self.module, self.device, args, kwargs)
-            return (self.module or self.weights.hf_model)(*args, **kwargs)
+        return engine_memory(self)
 
     @property
-    def last_generate_stats(self) -> Any:
-        """The generation layer's stats of the last ``generate`` call (time to first token, ms/token), if recorded."""
-        try:
-            from ..generation.stats import last_generate_stats
-        except ImportError:  # pragma: no cover
-            return None
-        return last_generate_stats(self.module) if self.module is not None else None
+    def asleep(self) -> bool:
+        """True between :meth:`sleep` and the next :meth:`wake` / ``eval()``."""
+        return self._asleep is not None
 
-    def memory(self) -> dict[str, int]:
-        """Bytes the engine holds on top of the training model (none of it aliases a training tensor).
+    def sleep(self) -> int:
+        """Free the inference copy's own weights, the KV cache, packed CPU copies and decode graphs until the next
+        ``eval()`` (which wakes it: storage back, then a full refresh; the time is ``stats.last.wake_ms``). For full
+        fine-tuning, where the copy is as large as the model. Storage shared with the training model stays. Returns
+        the bytes freed."""
+        if self.module is None or self._asleep is not None:
+            return 0
+        if self._in_inference:
+            self.restore()
+        from .memory import sleep
 
-        ``weights``: the inference copy's parameters and buffers (packed, LoRA fused in, inference dtype; tied
-        tensors once). ``kv_cache``: the static KV cache as allocated now (0 before the first generation and after
-        ``release_cache()``). CUDA graphs add a memory pool for their intermediates, dropped with the cache.
-        """
-        if self.module is None:
-            return {"weights": 0, "kv_cache": 0}
-        seen: dict[int, int] = {}
-        for t in (*self.module.parameters(), *self.module.buffers()):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        record = get_injection(self.module)
-        cache = record.runtime.cache if record is not None else None
-        kv = sum(t.untyped_storage().nbytes() for t in (*cache.keys, *cache.values)) if cache is not None else 0
-        return {"weights": sum(seen.values()), "kv_cache": kv}
+        return sleep(self)
+
+    def wake(self) -> None:
+        """Give the inference copy its memory back and refresh it (``eval()`` does this for you)."""
+        if self._asleep is None:
+            return
+        from .memory import wake
+
+        wake(self)
+        self.refresh()
 
     def buffer_pointers(self) -> dict[str, int]:
         """``{name: data_ptr}`` of the inference buffers (constant for the engine's lifetime)."""

@@ -3,8 +3,8 @@
 At each ``eval()`` (whether it refreshed or not), the first ``generate`` call's first ``rows`` rows are scored twice,
 teacher-forced: by the inference copy and by the training model (eval mode, no gradients). The probe is the mean
 absolute difference of the two log-probabilities of the generated tokens, ``log_softmax(logits / T)`` at each
-sampled token. Equal weights give fp32
-noise (or the inference dtype's rounding); a stale or wrongly fused copy shows at once as a large value.
+sampled token. Equal weights give fp32 noise (or the inference dtype's rounding); a stale or wrongly fused copy shows
+at once as a large value.
 """
 
 from __future__ import annotations

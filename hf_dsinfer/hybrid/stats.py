@@ -26,10 +26,13 @@ class IterationStats:
     generate_calls: int = 0
     samples: int = 0
     new_tokens: int = 0
+    prompt_tokens: int = 0  # real prompt tokens of all rows, as ServingStats counts them
+    prefill_tokens_computed: int = 0  # the ones prefilled: repeated rows (GRPO, num_return_sequences) share one
     train_ms: float = 0.0
     e2e_ms: float = 0.0
     complete: bool = False
     logp_diff: float | None = None  # the engine's logp_diff probe, when on (hybrid/probe.py)
+    wake_ms: float = 0.0  # eval() after sleep(): storage back + full refresh (instead of refresh_ms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,6 +82,8 @@ class HybridStats:
         t.generate_calls += it.generate_calls
         t.samples += it.samples
         t.new_tokens += it.new_tokens
+        t.prompt_tokens += it.prompt_tokens
+        t.prefill_tokens_computed += it.prefill_tokens_computed
         t.train_ms += it.train_ms
         t.e2e_ms += it.e2e_ms
         t.refreshed = t.refreshed or it.refreshed

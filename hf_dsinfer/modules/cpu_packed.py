@@ -205,6 +205,16 @@ def invalidate(module: nn.Module) -> int:
     return dropped
 
 
+def repack(module: nn.Module) -> bool:
+    """Pack ``module.weight`` now rather than at its next packed call (the Hybrid Engine re-packs at the switch, so
+    the switch cost includes it). False when packing is off or unavailable, or the module has no slot."""
+    slot, weight = module.__dict__.get(SLOT_ATTR), getattr(module, "weight", None)
+    if slot is None or not isinstance(weight, torch.Tensor) or not sync():
+        return False
+    _repack(slot, weight)
+    return True
+
+
 def packed_bytes(module: nn.Module | None = None) -> int:
     """Bytes held by packed copies (of the modules in ``module``, or all); a packed copy is as large as its weight."""
     if module is None:

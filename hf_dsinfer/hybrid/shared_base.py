@@ -1,0 +1,197 @@
+"""Frozen base, no second copy: the inference copy and the training model share the base weights' storage.
+
+When a training weight is frozen (peft LoRA's base layers, or ``requires_grad=False``) and the inference copy holds it
+in the same dtype, the copy's buffer (e.g. a row slice of the fused qkv / gate_up weight) is filled once with the base
+value and the training parameter's ``.data`` becomes a *view* of it: one storage serves both models, the training
+model's old one is freed. Nothing ever writes the shared storage again (a frozen weight does not change).
+
+LoRA stays out of the shared base: a fused linear with adapted parts becomes a :class:`LoRALinear`, which adds the
+delta as a side path, ``y = x W^T + (x A^T) B^T`` with ``A [R, in]`` the active adapters' ``lora_A`` stacked over every
+adapted part and ``B [out, R]`` block-diagonal (each part's ``lora_B`` times its scaling in its own rows). Why a side
+path and not a fused copy of the adapted projections: with LoRA on every linear layer (the common RL setup) every
+projection is adapted, so a fused copy is the full second copy again; the side path holds ``R (in + out)`` values
+per linear (a few % of ``in x out`` at r=16) and costs two skinny GEMMs per linear in a decode step, in persistent
+buffers that each refresh overwrites in place (CUDA graphs and the compiled CPU step stay valid).
+
+Not shared, with one info log saying why (that tensor keeps its copy, refreshed as before): a trainable tensor (full
+fine-tuning, ``modules_to_save``), another dtype than the inference copy's, LoRA on a tensor without a side path
+(embedding, LM head), a source that is not a plain row slice (a transposed Conv1D weight), a policy with its own
+``pack_into``, tensor parallelism, a quantized copy, sharded (FSDP2 / ZeRO-3) parameters, another device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..log import logger
+from ..modules.linear import Linear
+from ..policies.base import Cat, Param, Policy, as_source
+from .weights import _is_lora_layer
+
+_LOGGED: set[str] = set()
+
+
+def _once(reason: str) -> None:
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        logger.info("hf_dsinfer HybridEngine: %s", reason)
+
+
+class LoRALinear(Linear):
+    """A fused linear over a shared base weight, with LoRA as a side path (see the module docstring).
+
+    ``lora_a [R, in]``, ``lora_b [out, R]`` (scaling folded in) are persistent buffers of the inference dtype.
+    """
+
+    def __init__(self, base: Linear, rank: int):
+        super().__init__(base.weight, base.bias, base.reduce)
+        w = base.weight
+        self.register_buffer("lora_a", torch.zeros(rank, w.shape[1], dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_b", torch.zeros(w.shape[0], rank, dtype=w.dtype, device=w.device))
+
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+        y = super().forward(x, defer_reduce)  # [..., out]
+        return y + (x @ self.lora_a.t()) @ self.lora_b.t()  # [..., R] -> [..., out]
+
+
+def _parts(src: Any) -> list[str] | None:
+    """Names of a source's row slices, in order, or None when it is not made of plain row slices."""
+    src = as_source(src)
+    if isinstance(src, Param):
+        return [src.name]
+    if isinstance(src, Cat) and all(isinstance(p, Param) for p in src.parts):
+        return [p.name for p in src.parts]
+    return None
+
+
+def _base_param(weights: Any, name: str) -> tuple[torch.Tensor | None, nn.Module | None]:
+    """The training model's *base* parameter behind HF name ``name`` and its LoRA layer (or None)."""
+    path, _, leaf = name.rpartition(".")
+    mod = weights.module(path)
+    if _is_lora_layer(mod):
+        return getattr(mod.get_base_layer(), leaf, None), mod
+    return getattr(mod, leaf, None), None
+
+
+class SharedBase:
+    """Which inference tensors share the training base, and the LoRA side paths (built once, after the first refresh).
+
+    ``shared``: ids of the inference parameters whose storage the training model uses; the engine's refresh skips
+    them (they are the frozen base). ``lora``: ``(LoRALinear, [(row offset, training LoRA layer)])`` per side path.
+    """
+
+    def __init__(self, engine: Any, infer: nn.Module, record: Any):
+        self.shared: set[int] = set()
+        self.lora: list[tuple[LoRALinear, list[tuple[int, nn.Module]]]] = []
+        self.bytes_shared = 0
+        w = engine.weights
+        policy_pack = type(record.policy).pack_into
+        if policy_pack is not Policy.pack_into:
+            _once(f"{type(record.policy).__name__} re-packs with its own pack_into: the base weights are copied")
+            return
+        train_layers = w.module(record.layers_prefix)
+        for i, wmap in enumerate(record.weight_maps):
+            layer = record.runtime.layers[i]
+            prefix = f"{record.layers_prefix}.{i}."
+            for fused_name, src in wmap.items():
+                if src is not None:
+                    self._share_fused(w, layer, fused_name, src, prefix, train_layers[i])
+        for name, param in engine._plain:
+            base, lora = _base_param(w, name)
+            if lora is None and self._can_share(name, base, param):
+                self._adopt(param, [base])
+
+    # -- deciding --------------------------------------------------------------------------------------------------
+
+    def _can_share(self, name: str, base: Any, param: torch.Tensor) -> bool:
+        if not isinstance(base, torch.Tensor) or type(base).__name__ == "DTensor" or hasattr(base, "ds_id"):
+            return False  # sharded (FSDP2 / ZeRO-3): gathered at each refresh, nothing to share
+        if base.requires_grad:
+            return False  # trainable: it changes at every step, the copy follows it
+        if base.dtype != param.dtype or base.device != param.device:
+            _once(f"{name}: the training weight is {base.dtype} on {base.device}, the inference copy "
+                  f"{param.dtype} on {param.device}; frozen weights are copied, not shared")  # fmt: skip
+            return False
+        return True
+
+    def _share_fused(self, w: Any, layer: nn.Module, fused_name: str, src: Any, prefix: str, train: nn.Module) -> None:
+        names = _parts(src)
+        param = layer.get_parameter(fused_name)
+        if names is None:
+            _once(f"{fused_name} is not made of plain row slices ({as_source(src)!r}): copied, not shared")
+            return
+        bases, loras = [], []
+        for n in names:
+            base, lora = _base_param(w, prefix + n)
+            if not self._can_share(prefix + n, base, param):
+                return
+            bases.append(base)
+            loras.append(lora)
+        if sum(b.shape[0] for b in bases) != param.shape[0] or any(b.shape[1:] != param.shape[1:] for b in bases):
+            return
+        active = [(lo, w._active_lora(lo, prefix + n)) if lo is not None else (None, []) for lo, n in zip(loras, names)]
+        adapted = [(lo, a) for lo, a in active if a]
+        if any(lo.lora_B[a].bias is not None for lo, acts in adapted for a in acts):
+            return  # lora_bias=True: the bias delta has no side path; the tensor keeps its copy
+        if adapted and not fused_name.endswith(".weight"):
+            return  # LoRA on a bias (lora_bias): not a side path; the tensor keeps its copy
+        owner_path, _, leaf = fused_name.rpartition(".")
+        owner = layer.get_submodule(owner_path)
+        if adapted and (type(owner) is not Linear or owner.reduce is not None):
+            _once(f"{fused_name}: LoRA on a {type(owner).__name__} has no side path; copied, not shared")
+            return
+        self._adopt(param, bases)
+        if not adapted:
+            return
+        rank = sum(lo.lora_A[a].weight.shape[0] for lo, acts in active for a in acts)
+        side = LoRALinear(owner, rank)
+        parent_path, _, child = owner_path.rpartition(".")
+        setattr(layer.get_submodule(parent_path) if parent_path else layer, child, side)
+        rows, offset = [], 0
+        for (lo, _), base in zip(active, bases):
+            if lo is not None:
+                rows.append((offset, lo, prefix))
+            offset += base.shape[0]
+        self.lora.append((side, [(r, lo) for r, lo, _ in rows]))
+
+    def _adopt(self, param: torch.Tensor, bases: list[torch.Tensor]) -> None:
+        """Fill ``param``'s row slices with ``bases`` and make each base a view of its slice."""
+        offset = 0
+        with torch.no_grad():
+            for base in bases:
+                view = param.data.narrow(0, offset, base.shape[0])
+                view.copy_(base.detach())
+                base.data = view  # the training parameter now reads the inference buffer; its old storage is freed
+                offset += base.shape[0]
+        self.shared.add(id(param))
+        self.bytes_shared += param.numel() * param.element_size()
+
+    # -- refreshing ------------------------------------------------------------------------------------------------
+
+    def refresh_lora(self, weights: Any) -> None:
+        """Copy the active adapters' factors (scaling folded into B) into the side-path buffers, in place."""
+        with torch.no_grad():
+            for side, parts in self.lora:
+                a_rows = 0
+                side.lora_b.zero_()
+                for offset, lo in parts:
+                    for a in weights._active_lora(lo, "lora"):
+                        a_w = weights.full(lo.lora_A[a].weight.detach())  # [r, in]
+                        b_w = weights.full(lo.lora_B[a].weight.detach())  # [out_part, r]
+                        r = a_w.shape[0]
+                        if a_rows + r > side.lora_a.shape[0]:
+                            raise ValueError(
+                                "the active LoRA adapters changed rank since the Hybrid Engine was built; build a new "
+                                "HybridEngine after changing adapters (or pass share_base=False)."
+                            )
+                        side.lora_a[a_rows : a_rows + r].copy_(a_w)
+                        side.lora_b[offset : offset + b_w.shape[0], a_rows : a_rows + r].copy_(b_w * lo.scaling[a])
+                        a_rows += r
+                side.lora_a[a_rows:].zero_()
+
+    def extra_bytes(self) -> int:
+        """Bytes of the side-path buffers (the only weights the engine adds for shared tensors)."""
+        return sum((s.lora_a.numel() + s.lora_b.numel()) * s.lora_a.element_size() for s, _ in self.lora)
