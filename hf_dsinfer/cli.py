@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from importlib import metadata
@@ -110,8 +111,32 @@ def _print_info(report: dict) -> None:
         print(f"  {model_type:<12} {path}")
 
 
+def passive_wait_when_busy(command: str | None) -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` for a command that computes (``generate``, ``serve``, ``bench``) when the machine
+    is oversubscribed at its start (1-minute load average above the cores) and neither the user nor an earlier import
+    of torch settled it; returns whether it did.
+
+    OpenMP reads the variable once, when torch loads it: set here, before torch is imported, waiting threads sleep
+    instead of spinning. Under contention that doubled HF eager's decode rate at 2 threads and ours too (docs/
+    troubleshooting.md has the runs); on a quiet machine spinning is cheaper, so it is only set when busy.
+    """
+    if command not in ("generate", "serve", "bench") or "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load <= cores:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-dsinfer`` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    passive_wait_when_busy(argv[0] if argv else None)
     parser = argparse.ArgumentParser(
         prog="hf-dsinfer", description="fused-kernel inference for HF models with DeepSpeed-Inference's API"
     )
@@ -122,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     add_generate_arguments(p_gen)
     p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching on fused layers)")
     p_bench = sub.add_parser("bench", help="HF eager vs HF static+compile vs hf_dsinfer generate, random weights")
-    argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # bench's options need torch (bench.py): `hf-dsinfer --help` stays free of it
         from .bench.cli import add_bench_arguments
 

@@ -194,3 +194,27 @@ def test_auto_compiles_only_after_eager_steps_cost_a_compile(chat_dir, oracle, m
         assert torch.equal(model.generate(ids, **kwargs), oracle.generate(ids, **kwargs))
     assert not [r for r in caplog.records if "compiling the CPU" in r.getMessage()]
     assert not compiled.pending and not compiled.compile_s and 0 < compiled._eager_s[1] < 3600
+
+
+def test_passive_waiting_on_a_busy_machine():
+    """A busy machine at the start of generate / serve / bench: OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
+    (a fresh interpreter: the CLI imports no torch before it decides); never over the user's own setting."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os
+os.getloadavg = lambda: (99.0, 99.0, 99.0)
+from hf_dsinfer.cli import passive_wait_when_busy
+assert not passive_wait_when_busy("info")
+assert passive_wait_when_busy("generate") and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+assert not passive_wait_when_busy("serve") and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+del os.environ["OMP_WAIT_POLICY"]
+import torch
+assert not passive_wait_when_busy("bench")  # too late: OpenMP read its settings when torch loaded
+"""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -51,10 +51,13 @@ def warn_if_busy(threads: int | None = None, how: str = "--threads 1") -> bool:
     if busy is None or threads <= 1:
         return False
     load, cores = busy
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    waiting = "sleep while they wait (OMP_WAIT_POLICY=PASSIVE), which helps" if passive else "spin while they wait"
     warn_once(
         f"hf_dsinfer: this machine is busy (1-minute load average {load:.1f} on {cores} cores) and torch uses "
         f"{threads} threads per op: threads that lose their core make the others wait, which can be several times "
-        f"slower than one thread. Use {how} (or fewer threads than free cores) while the load lasts."
+        f"slower than one thread; its threads {waiting}. Use {how} (or fewer threads than free cores) while the "
+        "load lasts."
     )
     return True
 
