@@ -115,7 +115,9 @@ def test_switches_never_touch_training_state_and_buffers_stay_put():
     assert all(torch.equal(state[k], v) for k, v in after.items()), "optimizer state changed"
     assert he.buffer_pointers() == pointers
 
-    qkv = he.module.model.layers[0].attn.qkv.weight
+    qkv = he.module.model.layers[0].attn.qkv
+    # the frozen base is shared with the training model (hybrid/shared_base.py): LoRA lives in the side path
+    qkv = qkv.lora_b if hasattr(qkv, "lora_b") else qkv.weight
     old_qkv = qkv.detach().clone()
     step()  # new weights: the next eval() must show them
     he.eval()
