@@ -102,7 +102,8 @@ def test_memory_beyond_the_training_model(dtype):
     plain = sum(p.numel() for p in base.parameters()) + sum(b.numel() for b in base.buffers())
     model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
     settings = {"hybrid_engine": {"enabled": True, "max_out_tokens": 32, "release_inference_cache": True}}
-    he = HybridEngine(model, inference_config={"dtype": dtype, "max_batch_size": 2}, config=settings)
+    # share_base=False: the copy path (tests/test_hybrid_shared_base.py covers the shared frozen base)
+    he = HybridEngine(model, inference_config={"dtype": dtype, "max_batch_size": 2}, config=settings, share_base=False)
     training_ptrs = {t.untyped_storage().data_ptr() for t in model.parameters()}
     assert not training_ptrs & {t.untyped_storage().data_ptr() for t in he.module.parameters()}
     held = he.memory()
