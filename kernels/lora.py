@@ -154,18 +154,33 @@ def lora_add_torch(
     lora_b: torch.Tensor,
     slots: torch.Tensor,
     groups: list[tuple[int, torch.Tensor]] | None = None,
+    parts: list[int] | None = None,
+    ranks: list[int] | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`lora_add`: per adapter present, its tokens' delta in fp32, added once.
 
     Groups the tokens by slot (one host read of the distinct slots, or ``groups`` from :func:`slot_groups`), so it
-    costs one pair of GEMMs per adapter.
+    costs one pair of GEMMs per adapter. ``parts`` (output rows of each stacked projection, ``R`` split evenly among
+    them, ``lora_b`` block-diagonal) and ``ranks`` (per slot, the rank used in each part's block; the rest is zero)
+    skip the zero blocks: the same result for a fraction of the work (CPU serving).
     """
     _check(y, x, lora_a, lora_b, slots)
     if groups is None:
         groups = [(s, (slots == s).nonzero().squeeze(1)) for s in torch.unique(slots).tolist() if s >= 0]
     for s, rows in groups:  # rows [n_s]
-        t = x[rows].float() @ lora_a[s].float().t()  # [n_s, R]
-        delta = t @ lora_b[s].float().t()  # [n_s, O]
+        xs = x[rows].float()  # [n_s, K]
+        if parts is None:
+            delta = (xs @ lora_a[s].float().t()) @ lora_b[s].float().t()  # [n_s, R] -> [n_s, O]
+        else:
+            block = lora_a.shape[1] // len(parts)
+            r = block if ranks is None else ranks[s]
+            delta = torch.zeros(xs.shape[0], y.shape[1], dtype=torch.float32, device=y.device)  # [n_s, O]
+            row0 = 0
+            for p, n_rows in enumerate(parts):
+                lo = p * block
+                t = xs @ lora_a[s, lo : lo + r].float().t()  # [n_s, r]
+                delta[:, row0 : row0 + n_rows] = t @ lora_b[s, row0 : row0 + n_rows, lo : lo + r].float().t()
+                row0 += n_rows
         y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y
 
@@ -177,14 +192,16 @@ def lora_add(
     lora_b: torch.Tensor,
     slots: torch.Tensor,
     groups: list[tuple[int, torch.Tensor]] | None = None,
+    parts: list[int] | None = None,
+    ranks: list[int] | None = None,
 ) -> torch.Tensor:
     """``y[n] += (x[n] @ lora_a[slots[n]].T) @ lora_b[slots[n]].T`` in place for every token with ``slots[n] >= 0``.
 
     ``x [N, K]``, ``y [N, O]`` (same dtype; unit last-dim stride, any row stride), ``lora_a [L, R, K]``,
     ``lora_b [L, O, R]`` (scaling folded in), ``slots [N]`` int32/int64 (-1: no adapter). Returns ``y``.
-    ``groups``: the torch path's token groups (:func:`slot_groups`), to skip reading ``slots`` back on every call.
+    ``groups``, ``parts``, ``ranks``: hints for the torch path (see :func:`lora_add_torch`); the kernel ignores them.
     Dispatches on ``HF_DSINFER_BACKEND``.
     """
     if use_triton(x):
         return lora_add_triton(y, x, lora_a, lora_b, slots)
-    return lora_add_torch(y, x, lora_a, lora_b, slots, groups)
+    return lora_add_torch(y, x, lora_a, lora_b, slots, groups, parts, ranks)

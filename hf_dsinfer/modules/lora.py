@@ -61,6 +61,7 @@ class MultiLoRALinear(Linear):
         self.state = state
         self.parts = list(parts)  # output rows of each stacked projection, in order
         self.max_rank = max_rank
+        self.slot_ranks = [0] * max_loras  # per slot, the largest rank written into a part's block (the rest is 0)
         total = len(parts) * max_rank
         self.register_buffer("lora_a", torch.zeros(max_loras, total, w.shape[1], dtype=w.dtype, device=w.device),
                              persistent=False)  # fmt: skip
@@ -78,6 +79,7 @@ class MultiLoRALinear(Linear):
             raise ValueError(f"adapter weights A {tuple(a.shape)} / B {tuple(b.shape)} do not fit this projection "
                              f"(in {self.lora_a.shape[2]}, out {rows})")  # fmt: skip
         lo, row0 = part * self.max_rank, sum(self.parts[:part])
+        self.slot_ranks[slot] = max(self.slot_ranks[slot], r)
         self.lora_a[slot, lo : lo + r].copy_(a)
         self.lora_a[slot, lo + r : lo + self.max_rank].zero_()
         self.lora_b[slot, row0 : row0 + rows, lo : lo + r].copy_(b.float() * scale)
@@ -87,6 +89,7 @@ class MultiLoRALinear(Linear):
         """Zero ``slot`` (a projection the next adapter does not adapt must add nothing)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
         """``x [..., in] -> [..., out]``: the base product, then each adapted token's delta added in place."""
@@ -98,7 +101,7 @@ class MultiLoRALinear(Linear):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [N, in], [N, out] (N = T of the step)
         if slots.shape[0] != x2.shape[0]:
             raise RuntimeError(f"LoRA slots for {slots.shape[0]} tokens, but the step has {x2.shape[0]}")
-        lora_add(y2, x2, self.lora_a, self.lora_b, slots, self.state.groups)
+        lora_add(y2, x2, self.lora_a, self.lora_b, slots, self.state.groups, self.parts, self.slot_ranks)
         return y
 
     def extra_repr(self) -> str:

@@ -91,3 +91,18 @@ def test_lora_add_torch_with_precomputed_groups():
     groups = slot_groups(slots.tolist(), x.device)
     assert [s for s, _ in groups] == [0, 1, 2] and groups[2][1].tolist() == [0, 3, 4, 8]
     assert torch.equal(lora_add_torch(y.clone(), x, a, b, slots, groups), lora_add_torch(y.clone(), x, a, b, slots))
+
+
+def test_lora_add_torch_part_and_rank_hints_skip_only_zeros():
+    """A fused linear's layout (parts [5, 7], rank blocks of 4, slots using ranks 3 and 4, B block-diagonal): the
+    torch path's parts / ranks hints give the same result as the full product."""
+    y, x, a, b, slots = _case(6, 24, 12, 2, 8, torch.float32, torch.device("cpu"), slots=[0, 1, -1, 1, 0, 0])
+    ranks = [3, 4]
+    for s, r in enumerate(ranks):
+        for p in range(2):
+            a[s, p * 4 + r : (p + 1) * 4] = 0  # rows past the adapter's rank
+        b[s, :5, 4:] = 0  # part 0's output rows see only block 0
+        b[s, 5:, :4] = 0
+    want = lora_add_torch(y.clone(), x, a, b, slots)
+    got = lora_add_torch(y.clone(), x, a, b, slots, parts=[5, 7], ranks=ranks)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
