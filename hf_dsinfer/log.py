@@ -20,6 +20,11 @@ def get_logger() -> logging.Logger:
 
 logger = get_logger()
 
+#: One line per served request (``hf-dsinfer serve``'s access log). A child of :data:`logger`: it follows transformers'
+#: verbosity unless the server sets its own level (``serve`` turns it on at info; ``--disable-log-requests`` keeps it
+#: at transformers' verbosity).
+access_logger = hf_logging.get_logger(LOGGER_NAME + ".access")
+
 _WARNED: set[str] = set()
 
 

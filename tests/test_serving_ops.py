@@ -295,7 +295,7 @@ def test_sigterm_drains_then_exits_0(tiny_path):
     port = _free_port()
     root = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hf_dsinfer", "serve", str(tiny_path), "--port", str(port), "--inference-config",
-           '{"dtype": "fp32"}', "--shutdown-timeout", "60"]  # fmt: skip
+           '{"dtype": "fp32"}', "--shutdown-timeout", "60", "--tool-call-parser", "json"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -326,6 +326,8 @@ def test_sigterm_drains_then_exits_0(tiny_path):
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read()
         assert "SIGTERM" in log and "refusing new requests" in log
+        # the access log is on by default on the command line (at info, whatever transformers' verbosity)
+        assert "hf_dsinfer request cmpl-" in log and "completion_tokens=200" in log and "finish=length" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..log import logger
+from ..log import access_logger, logger
 from .detokenizer import IncrementalDetokenizer
 from .engine import RequestHandle, ServingEngine
 from .engine_requests import (
@@ -195,7 +195,7 @@ class CompletionService:
         """The access-log line of one request."""
         usage = job.usage()
         reasons = outcome or ",".join(sorted({str(c.finish_reason) for c in job.choices}))
-        logger.info("hf_dsinfer request %s %s: prompt_tokens=%d completion_tokens=%d latency=%.3fs finish=%s%s",
+        access_logger.info("hf_dsinfer request %s %s: prompt_tokens=%d completion_tokens=%d latency=%.3fs finish=%s%s",
                     job.rid, "chat" if job.chat else "completion", usage["prompt_tokens"], usage["completion_tokens"],
                     time.perf_counter() - job.started, reasons, " stream" if job.req.stream else "")  # fmt: skip
 

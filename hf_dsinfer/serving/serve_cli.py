@@ -4,14 +4,16 @@ in front of a :class:`~hf_dsinfer.serving.ServingEngine` on it (the command line
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from typing import Any
 
-from ..log import logger
+from ..log import access_logger, logger
 from .engine import ServingEngine
 from .server import OpenAIServer
 from .sizing import model_context_limit, parse_bytes, plan_kv_cache
+from .tool_parsers import TOOL_PARSERS
 
 __all__ = ["add_serve_arguments", "load_for_serving", "serve", "serve_main", "serving_inference_config"]
 
@@ -178,6 +180,8 @@ def serve_main(args: Any) -> None:
     from ..real_model import resolve_model_name
 
     apply_threads(args.threads)  # before loading: torch's CPU threads, process-wide
+    if not args.disable_log_requests:  # the access log, at info whatever transformers' verbosity
+        access_logger.setLevel(logging.INFO)
     warn_if_busy(args.threads, how="--threads 1")
     path = resolve_model_name(args.model)  # "smollm2": the offline real model, served under the name given
     served_name = args.served_model_name or (args.model if path != args.model else None)
@@ -195,6 +199,7 @@ def serve_main(args: Any) -> None:
             runner=getattr(args, "runner", "auto"), pooler_config=_pooler_config(getattr(args, "pooler_config", None)),
             enable_lora=args.enable_lora, lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
         )  # fmt: skip
     except ValueError as e:  # a setting that cannot work, named in the message
         raise SystemExit(f"hf-dsinfer serve: {e}") from e
@@ -233,6 +238,10 @@ def add_serve_arguments(parser: Any) -> None:
         "model's own, e.g. max_position_embeddings; sets the inference config's max_out_tokens)")  # fmt: skip
     add("--default-max-tokens", type=int, default=256, help="new tokens of chat completions without max_tokens")
     add("--threads", type=int, help="torch CPU threads for the process (default: torch's, one per core)")
+    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text "
+        "(default: hermes when the chat template knows <tool_call>, else json)")  # fmt: skip
+    add("--disable-log-requests", action="store_true", help="no access-log line per request (default: one line "
+        "per request at info level: id, tokens, latency, finish reason)")  # fmt: skip
     add("--runner", choices=("auto", "generate", "pooling"), default="auto", help="generate (chat, completions) or "
         "pooling (an embedding model: /v1/embeddings); auto: pooling for a sentence-transformers folder or a model "
         "without an LM head (default)")  # fmt: skip

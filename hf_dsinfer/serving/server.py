@@ -60,7 +60,7 @@ class OpenAIServer:
                  max_choices: int = 16, model_aliases: tuple[str, ...] = (), api_key: str | None = None,
                  allowed_origins: list[str] | None = None, allowed_methods: list[str] | None = None,
                  allowed_headers: list[str] | None = None, max_num_queued_reqs: int | None = None,
-                 shutdown_timeout: float = 0.0):  # fmt: skip
+                 shutdown_timeout: float = 0.0, tool_call_parser: str | None = None):  # fmt: skip
         if max_num_queued_reqs is not None and max_num_queued_reqs < 1:
             raise ValueError(f"max_num_queued_reqs={max_num_queued_reqs}: pass a positive integer (None: no limit)")
         if (engine is None) == (embedder is None):
@@ -69,7 +69,8 @@ class OpenAIServer:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         # The generating routes need an engine, /v1/embeddings an embedder (embedding_routes); /tokenize serves both.
         self.completions = None if engine is None else CompletionService(
-            engine, tokenizer, model_name, default_max_tokens=default_max_tokens, max_choices=max_choices)  # fmt: skip
+            engine, tokenizer, model_name, default_max_tokens=default_max_tokens, max_choices=max_choices,
+            tool_call_parser=tool_call_parser)  # fmt: skip
         self.embeddings = None if embedder is None else EmbeddingService(embedder, model_name)
         self.max_model_len = engine.runner.max_positions if engine is not None else embedder.max_model_len
         self.tokenize = TokenizeService(tokenizer, model_name, self.max_model_len)
