@@ -44,7 +44,7 @@ _FOLDER = "smollm2-135m-instruct"
 #: not the hub's, and a hub id must mean the hub's weights.
 MODEL_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 #: How long the one-off conversion takes (measured, see smollm2_path's docstring).
-CONVERSION_TIME = "about 1 minute on a quiet 2-core machine, a few on a busy one"
+CONVERSION_TIME = "about 1.5 minutes on 2 cores at a load of ~4, longer on a busier machine"
 
 
 def _cache_root() -> Path:
@@ -117,9 +117,11 @@ def _convert(gguf_file: Path, out_dir: Path) -> None:
 def smollm2_path() -> str:
     """The folder of SmolLM2-135M-Instruct as an fp32 HF checkpoint (model + tokenizer), converted on first use.
 
-    The conversion (about 20 s) writes into a temporary folder next to the cache and renames it into place, so
-    concurrent processes (pytest-xdist workers) never see a half-written folder: the first rename wins, the others
-    discard their copy. Raises ``RuntimeError`` naming the install command when the package is missing.
+    The conversion (95 s in its four stages, 109 s for the whole process, on 2 cores at a load average of 4.2-4.4,
+    2026-11-26; 184 s on a busier machine; a progress bar shows the stages) writes into a temporary folder next to
+    the cache and renames it into place, so concurrent processes (pytest-xdist workers) never see a half-written
+    folder: the first rename wins, the others discard their copy. Raises ``RuntimeError`` naming the install command
+    when the package is missing.
     """
     target = _cache_root() / _FOLDER
     if (target / "config.json").is_file():
