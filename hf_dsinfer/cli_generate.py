@@ -140,7 +140,8 @@ def print_generation(report: dict, texts_printed: bool = False) -> None:
             print(text)
     ttft, decode = report["time_to_first_token_ms"], report["decode_tokens_per_s"]
     if report["warmup_ms"] is not None:
-        warmup = f"warm-up call {report['warmup_ms']:.0f} ms (compiles / captures the decode step; not counted below)"
+        ms = report["warmup_ms"]
+        warmup = f"warm-up call {ms:.0f} ms (one-off costs: CUDA graphs, a --wait-compile compile; not counted below)"
     else:
         warmup = "no warm-up call (--no-warmup): the figures include the first call's compile / capture"
     print(f"-- {warmup}")
