@@ -49,7 +49,7 @@ ARCHS = {
 }
 CONSUMER_SMEM_BLOCK = 101376  # sm_86 / sm_89: what the portable tile tables must fit
 MODULES = ("norms", "activations", "rotary", "kv_cache", "prefill_attention", "decode_attention",
-           "encoder_attention", "moe_gemm", "quant_gemm", "paged_attention_triton")  # fmt: skip
+           "encoder_attention", "moe_gemm", "quant_gemm", "paged_attention_triton", "lora")  # fmt: skip
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 PACKAGE = "aot_kernels"  # the checkout's kernels/ imported under a private name (see kernel_package)
 
@@ -265,6 +265,10 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
         from aot_paged import paged_scenarios  # this folder is on sys.path (script dir, or added by the test)
 
         out += paged_scenarios(mods["paged_attention_triton"])
+    if "lora" in mods:
+        from aot_lora import lora_scenarios
+
+        out += lora_scenarios(mods["lora"])
     return out
 
 
