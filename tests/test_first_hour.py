@@ -218,3 +218,22 @@ assert not passive_wait_when_busy("bench")  # too late: OpenMP read its settings
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+def test_exit_waits_for_a_background_compile(caplog):
+    """A compile still running at exit is waited for (interpreter shutdown would end its thread mid-trace)."""
+    import threading
+    import time as _time
+
+    from hf_dsinfer.generation import compiled_cpu
+
+    thread = threading.Thread(target=_time.sleep, args=(0.5,), daemon=True)
+    compiled_cpu._BACKGROUND.add(thread)
+    thread.start()
+    try:
+        with caplog.at_level("WARNING", logger="transformers.hf_dsinfer"):
+            compiled_cpu._join_background_compiles()
+        assert not thread.is_alive()
+        assert any("waiting for 1 background compile" in r.getMessage() for r in caplog.records)
+    finally:
+        compiled_cpu._BACKGROUND.discard(thread)

@@ -32,6 +32,7 @@ If compiling fails the step falls back to eager torch for good, with one warning
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -64,6 +65,25 @@ COMPILE_TIME = "tens of seconds to a few minutes the first time, less when torch
 AUTO_AFTER_S = 30.0
 
 _DRY_RUN = threading.local()  # .on: the compiled code called by a background compile must not run (see below)
+#: Background compiles still running. Interpreter shutdown ends daemon threads wherever they are: one inside Dynamo's
+#: tracing (C++ calling back into Python) would abort the process when it next asks for the GIL, as a gloo thread did in
+#: the TP example. So the process waits for them at exit (:func:`_join_background_compiles`), with one line saying why.
+_BACKGROUND: set[threading.Thread] = set()
+EXIT_WAIT_S = 600.0  # at most this long: a compile that is still running then is left to the interpreter
+
+
+def _join_background_compiles() -> None:
+    running = [t for t in list(_BACKGROUND) if t.is_alive()]
+    if not running:
+        return
+    logger.warning("hf_dsinfer: waiting for %d background compile(s) of the CPU decode step to finish before exiting "
+                   "(set HF_DSINFER_CPU_COMPILE=0 or cpu_compile=False to never compile)", len(running))  # fmt: skip
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_join_background_compiles)
 
 
 class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry run
@@ -229,6 +249,7 @@ class CompiledCPUDecode:
             target=self._compile_dry, args=(bucket, args, grad), name=f"hf_dsinfer-compile-{bucket}", daemon=True
         )
         self._pending[bucket] = thread
+        _BACKGROUND.add(thread)
         thread.start()
 
     def _compile_dry(self, bucket: int, args: tuple, grad: bool) -> None:
@@ -245,6 +266,7 @@ class CompiledCPUDecode:
             self._fail(e)
         finally:
             _DRY_RUN.on = False
+            _BACKGROUND.discard(threading.current_thread())
 
     def _eager_until_it_pays(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``cpu_compile="auto"``: an eager step, timed; the bucket's compile starts once they add up to
