@@ -37,11 +37,11 @@ def lookup_applies(plan: DecodePlan, batch: int, generation_config: Any, draft: 
     )  # fmt: skip
 
 
-def propose(seq: list[int], k: int, max_ngram: int) -> list[int]:
+def propose(seq: list[int], k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n-gram (the longest n
-    first, ``max_ngram`` down to 1); ``[]`` when none occurs."""
+    first, ``max_ngram`` down to ``min_ngram``); ``[]`` when none occurs."""
     n_tokens = len(seq)
-    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         tail = seq[-n:]
         for start in range(n_tokens - n - 1, -1, -1):  # latest match first: the most recent context repeats best
             if seq[start : start + n] == tail:

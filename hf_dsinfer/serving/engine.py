@@ -40,6 +40,7 @@ from .omp import release_idle_openmp_workers
 from .requests import SamplingParams, Sequence, TokenLogprobs
 from .runner import PagedRunner
 from .scheduler import Scheduler
+from .speculation import NgramSpeculator, SpeculativeConfig, count_speculation
 
 #: Finish reasons a handle can end with. "stop": an EOS token or one of ``stop_token_ids`` (included in the tokens),
 #: a structured-output constraint completed, or a transformers stopping criterion fired; "length": max_new_tokens;
@@ -69,6 +70,11 @@ class ServingStats:
     preemptions: int = 0
     copy_on_write_blocks: int = 0
     busy_s: float = 0.0
+    #: speculative decoding (vLLM's metric names; None when the engine does not speculate): requests x steps that
+    #: ran a proposal, tokens proposed, proposed tokens accepted (the target's own next token not counted)
+    spec_decode_num_drafts: int | None = None
+    spec_decode_num_draft_tokens: int | None = None
+    spec_decode_num_accepted_tokens: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,6 +220,8 @@ class ServingEngine:
         enable_lora: serve LoRA adapters per request (vLLM's ``--enable-lora``): :meth:`load_lora_adapter`, then
             ``submit(..., adapter=name)``; requests of different adapters and the base share each step.
         max_loras / max_lora_rank: adapter slots held at once, and the largest rank an adapter may have.
+        speculative_config: vLLM's ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
+            "prompt_lookup_min": n}`` (dict or JSON): greedy requests verify n-gram proposals (:mod:`.speculation`).
     """
 
     def __init__(
@@ -229,6 +237,7 @@ class ServingEngine:
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        speculative_config: Any = None,
     ):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
@@ -240,6 +249,8 @@ class ServingEngine:
             self.runner.blocks, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
             prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,
         )  # fmt: skip
+        self.speculation = SpeculativeConfig.parse(speculative_config)  # None: no speculation
+        self.scheduler.speculator = NgramSpeculator(self.speculation) if self.speculation is not None else None
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.options: dict[str, Any] = {}  # what a cache of engines keys this one by (generate_batch's)
         self._stats = ServingStats()
@@ -389,6 +400,8 @@ class ServingEngine:
                 s.generated_tokens += plan.sampled
                 s.preemptions += plan.preemptions
                 s.copy_on_write_blocks += plan.copies
+            if self.speculation is not None:
+                count_speculation(s, plan)
 
     def run_until_idle(self) -> None:
         """Step until every submitted request has finished (synchronous use; not while :meth:`start` runs).

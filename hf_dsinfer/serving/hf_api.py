@@ -80,6 +80,16 @@ def engine_options(cb_config: Any) -> dict[str, Any]:
     return out
 
 
+def lookup_config(config: Any) -> dict | None:
+    """The engine's n-gram speculation for a greedy ``generation_config`` with ``prompt_lookup_num_tokens`` (as
+    ``generate``'s prompt lookup: n-grams of ``max_matching_ngram_size``, default 2, down to 1), else None."""
+    k = getattr(config, "prompt_lookup_num_tokens", None)
+    if not k or getattr(config, "do_sample", False):
+        return None
+    longest = int(getattr(config, "max_matching_ngram_size", None) or 2)
+    return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": longest, "prompt_lookup_min": 1}
+
+
 def _output(handle: RequestHandle, status: Any = None) -> Any:
     """transformers' ``GenerationOutput`` of ``handle`` (finished unless ``status`` is given)."""
     from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
@@ -106,7 +116,9 @@ def _failed(request_id: str, prompt: list[int], error: Exception) -> Any:
     )
 
 
-def batch_engine(model: nn.Module, cb_config: Any = None, want_tokens: int = 0) -> ServingEngine:
+def batch_engine(
+    model: nn.Module, cb_config: Any = None, want_tokens: int = 0, speculative_config: dict | None = None
+) -> ServingEngine:
     """The engine ``generate_batch`` uses on ``model``, kept between calls while the settings stay the same.
 
     ``want_tokens``: KV slots the call's requests need all together. Unless ``cb_config`` sets ``num_blocks``, the
@@ -114,6 +126,8 @@ def batch_engine(model: nn.Module, cb_config: Any = None, want_tokens: int = 0) 
     them, so a batch of many requests (GRPO's rollouts) runs without preemptions; it never shrinks.
     """
     options = engine_options(cb_config)
+    if speculative_config is not None:
+        options["speculative_config"] = speculative_config
     if "num_blocks" not in options and want_tokens:
         static = get_injection(model).runtime.cache
         block = options.get("block_size", 16)
@@ -145,7 +159,7 @@ def run_generate_batch(
     config = generation_config if generation_config is not None else model.generation_config
     copies = int(getattr(config, "num_return_sequences", None) or 1)
     want = copies * sum(len(p) + (max_new_tokens or config.max_new_tokens or 0) for p in inputs)
-    engine = batch_engine(model, continuous_batching_config, want)
+    engine = batch_engine(model, continuous_batching_config, want, lookup_config(config))
     # The weights may have changed since the last call (a Hybrid Engine refresh, a training step): KV blocks
     # cached by earlier calls are stale. Sharing within this call stays on.
     engine.clear_prefix_cache()

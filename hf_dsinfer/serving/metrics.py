@@ -38,7 +38,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 
-#: ServingStats fields exported as counters when the engine has them (speculative decoding: none reports them yet).
+#: ServingStats fields exported as counters when the engine has them (speculative decoding: None unless it speculates).
 SPEC_DECODE_COUNTERS = {
     "spec_decode_num_drafts": "Number of spec decoding drafts.",
     "spec_decode_num_draft_tokens": "Number of draft tokens.",

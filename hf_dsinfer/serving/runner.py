@@ -22,6 +22,7 @@ from .blocks import BlockManager
 from .requests import SamplingParams
 from .sampling import prompt_logprob_rows, record_prompt_logprobs, select_tokens
 from .scheduler import StepPlan
+from .speculation import verify_greedy
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -106,7 +107,7 @@ class PagedRunner:
         tables = torch.zeros(len(plan.chunks), width, dtype=torch.int32)  # [S, MB], unused entries 0
         for s, (seq, n) in enumerate(plan.chunks):
             start = seq.num_computed
-            ids += seq.tokens[start : start + n]
+            ids += seq.tokens[start : start + n] + plan.drafts.get(id(seq), [])  # speculative proposals after it
             pos = range(start, start + n)
             positions += pos
             slots += [seq.block_table[p // bs] * bs + p % bs for p in pos]
@@ -154,14 +155,22 @@ class PagedRunner:
             logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [N, V]
             record_prompt_logprobs(logits, owners)
         last, ready = [], []
+        spec, spec_rows = [], []  # speculating requests: logits at every position they ran
         end = 0
         for seq, n in plan.chunks:
             end += n
-            if seq.num_computed + n == len(seq.tokens):
+            draft = plan.drafts.get(id(seq))
+            if draft:
+                spec.append((seq, draft))
+                spec_rows += range(end - n, end)
+            elif seq.num_computed + n == len(seq.tokens):
                 last.append(end - 1)
                 ready.append(seq)
-        if not ready:
+        if not ready and not spec:
             return {}
-        rows = hidden[0, torch.tensor(last, device=hidden.device)]  # [R, C]
-        logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [R, V] fp32
-        return {id(seq): tok for seq, tok in zip(ready, select_tokens(logits, ready))}
+        rows = hidden[0, torch.tensor(last + spec_rows, device=hidden.device)]  # [R + D, C]
+        logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [R + D, V] fp32
+        out = {id(seq): tok for seq, tok in zip(ready, select_tokens(logits[: len(last)], ready))} if ready else {}
+        if spec:
+            out.update(verify_greedy(logits[len(last) :], spec, plan.accepted))
+        return out

@@ -40,6 +40,10 @@ class StepPlan:
     preemptions: int = 0
     copies: int = 0
     sampled: int = 0  # filled in by Scheduler.update
+    # speculative decoding (serving.speculation): id(seq) -> tokens proposed after its last token (its chunk runs
+    # 1 + len of them), and id(seq) -> how many of them the runner's verification accepted
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -70,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.pending: dict[bytes, Sequence] = {}  # block key -> the running request computing that block
+        self.speculator = None  # a serving.speculation.NgramSpeculator when the engine speculates
 
     @property
     def has_work(self) -> bool:
@@ -136,7 +141,8 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted by an older request's decode this step
                 continue
-            n = self._reserve(seq, min(seq.remaining, budget), plan, preempt=True)
+            n = self._reserve_proposal(seq, budget, plan) if self.speculator is not None else 0
+            n = n or self._reserve(seq, min(seq.remaining, budget), plan, preempt=True)
             if n:
                 plan.chunks.append((seq, n))
                 budget -= n
@@ -234,6 +240,21 @@ class Scheduler:
                     return 0
         return n
 
+    def _reserve_proposal(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Room for a decoding ``seq``'s last token and its speculative proposal (recorded in ``plan.drafts``);
+        0: no proposal, or its blocks are not free with one left per running request (speculation never preempts
+        nor evicts cached prefix blocks)."""
+        draft = self.speculator.proposal(seq, budget, self.max_positions)
+        if not draft:
+            return 0
+        extra = self.blocks.blocks_for(seq.num_computed + 1 + len(draft)) - len(seq.block_table) + 1  # +1: a copy
+        if extra + len(self.running) > len(self.blocks.free):
+            return 0
+        n = self._reserve(seq, 1 + len(draft), plan, preempt=False)
+        if n > 1:
+            plan.drafts[id(seq)] = draft[: n - 1]
+        return n
+
     def _is_private(self, seq: Sequence, index: int) -> bool:
         block = seq.block_table[index]
         return self.blocks.refs[block] == 1 and block not in self.blocks.key_of
@@ -246,6 +267,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.registered = 0
         plan.chunks = [(s, n) for s, n in plan.chunks if s is not seq]
+        plan.drafts.pop(id(seq), None)
         self.waiting.appendleft(seq)
         plan.preemptions += 1
 
@@ -255,7 +277,8 @@ class Scheduler:
         finished = []
         bs = self.blocks.block_size
         for seq, n in plan.chunks:
-            seq.num_computed += n
+            draft, kept = plan.drafts.get(id(seq), []), plan.accepted.get(id(seq), 0)
+            seq.num_computed += n - len(draft) + kept  # a rejected proposal's KV lies beyond: overwritten later
             # Register the blocks whose tokens are now all computed (a partial last one once the prompt is done).
             while seq.registered < len(seq.block_keys):
                 i = seq.registered
@@ -280,10 +303,16 @@ class Scheduler:
             logprobs = None
             if sampler is not None and sampler.pending_logprobs is not None:
                 logprobs, sampler.pending_logprobs = [sampler.pending_logprobs], None
-            seq.tokens.append(token)
-            seq.generated += 1
-            seq.handle._push([token], logprobs)
-            reason = self._finish_reason(seq, token)
+            new, reason = [], None
+            for tok in [*draft[:kept], token]:  # accepted proposals (speculation), then the sampled token
+                seq.tokens.append(tok)
+                seq.generated += 1
+                new.append(tok)
+                reason = self._finish_reason(seq, tok)
+                if reason is not None:
+                    break
+            plan.sampled += len(new) - 1
+            seq.handle._push(new, logprobs)
             if reason is not None:
                 self._retire(seq)
                 seq.handle._finish(reason)

@@ -13,6 +13,7 @@ from ..log import access_logger, logger
 from .engine import ServingEngine
 from .server import OpenAIServer
 from .sizing import model_context_limit, parse_bytes, plan_kv_cache
+from .speculation import SpeculativeConfig
 from .tool_parsers import TOOL_PARSERS
 
 __all__ = ["add_serve_arguments", "load_for_serving", "serve", "serve_main", "serving_inference_config"]
@@ -88,6 +89,7 @@ def build_server(
     lora_modules: dict[str, str] | None = None,
     max_loras: int | None = None,
     max_lora_rank: int = 16,
+    speculative_config: Any = None,
     **server_kwargs: Any,
 ) -> OpenAIServer:
     """Load ``path`` and build the engine and server ``hf-dsinfer serve`` runs (not started); logs what it sized.
@@ -99,6 +101,7 @@ def build_server(
 
     if runner not in ("auto", "generate", "pooling"):
         raise ValueError(f"--runner {runner!r}: pass generate, pooling or auto")
+    speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before loading the model
     if (detect_runner(path) if runner == "auto" else runner) == "pooling":
         from .embedding_routes import build_embedding_server
 
@@ -120,7 +123,8 @@ def build_server(
     max_loras = max_loras or max(4, len(lora_modules or {}))
     engine = ServingEngine(model, block_size=block_size, num_blocks=plan.num_blocks, max_batch_tokens=max_batch_tokens,
                            max_num_seqs=max_num_seqs, prefix_sharing=prefix_sharing, enable_lora=enable_lora,
-                           max_loras=max_loras, max_lora_rank=max_lora_rank)  # fmt: skip
+                           max_loras=max_loras, max_lora_rank=max_lora_rank,
+                           speculative_config=speculative_config)  # fmt: skip
     for lora_name, lora_path in (lora_modules or {}).items():  # adapters served from the start (--lora-modules)
         engine.load_lora_adapter(lora_name, lora_path)
     name = served_model_name or os.path.basename(os.path.normpath(path)) or path
@@ -198,7 +202,7 @@ def serve_main(args: Any) -> None:
             max_num_queued_reqs=args.max_num_queued_reqs, shutdown_timeout=args.shutdown_timeout,
             runner=getattr(args, "runner", "auto"), pooler_config=_pooler_config(getattr(args, "pooler_config", None)),
             enable_lora=args.enable_lora, lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
+            max_lora_rank=args.max_lora_rank, speculative_config=getattr(args, "speculative_config", None),
             **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
         )  # fmt: skip
     except ValueError as e:  # a setting that cannot work, named in the message
@@ -263,6 +267,9 @@ def add_serve_arguments(parser: Any) -> None:
                        "choices count n); past it a request gets 429 with Retry-After (default: no limit)")  # fmt: skip
     sched.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
                        help="do not share the KV blocks of identical prompt prefixes")  # fmt: skip
+    sched.add_argument("--speculative-config", metavar="JSON", help="n-gram speculative decoding for greedy requests, "
+                       'vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                       '"prompt_lookup_min": 2}\' (default: off)')  # fmt: skip
     lora = parser.add_argument_group("LoRA adapters (docs/serving.md, Adapters)")
     lora.add_argument("--enable-lora", action="store_true", help="serve peft LoRA adapters: a request's model names "
                       "its adapter (or the base model)")  # fmt: skip
