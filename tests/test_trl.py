@@ -111,6 +111,30 @@ def test_generate_batch_matches_generate_per_prompt():
     assert all(len(r.generated_tokens) == 6 for r in results.values())
 
 
+
+def test_generate_batch_stop_strings_with_tokenizer():
+    """``tokenizer=`` reaches the paged engine through the Hybrid Engine, so ``stop_strings`` is honoured as HF's
+    ``generate(tokenizer=...)`` honours it (it needs the tokenizer to read tokens as text)."""
+    model = build_tiny("llama", seed=0)
+    tok = make_tokenizer()
+    he = HybridEngine(model, inference_config={"max_out_tokens": 64, "max_batch_size": 2})
+    prompt = prompts((6,))[0]
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    plain = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=2)
+    free = model.generate(input_ids=ids, attention_mask=mask, generation_config=plain)[0, len(prompt) :].tolist()
+    # the text of the first new token after the first that the tokenizer reads as text (the model's vocabulary is
+    # larger than the tokenizer's): generation must end there
+    k = next((k for k in range(1, len(free)) if tok.decode(free[k : k + 1]).strip()), None)
+    assert k is not None, f"no new token of {free} decodes to text: pick another prompt"
+    stop = tok.decode(free[k : k + 1])
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=2, stop_strings=stop)
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tok)
+    want = want[0, len(prompt) :].tolist()
+    assert len(want) < len(free)
+    got = he.generate_batch([prompt], generation_config=config, tokenizer=tok)["req_0"]
+    assert got.error is None and got.generated_tokens == want
+
 def test_trl_generation_config_is_honoured():
     """GRPO's GenerationConfig (all of TRL's knobs) runs the fast loop without a fallback; with sampling="hf" the
     draws equal HF generate's; greedy with a repetition penalty equals HF generate."""

@@ -29,13 +29,15 @@ def generate_batch(
     continuous_batching_config: Any = None,
     max_new_tokens: int | None = None,
     record_timestamps: bool = False,
+    tokenizer: Any = None,
     **ignored: Any,
 ) -> dict[str, Any]:
     """Generate for each prompt of ``inputs`` (lists of token ids) with ``engine``; transformers' output format."""
     if not engine.in_inference:
         with engine.inference():  # refresh the inference weights from the training ones, as generate does
             return generate_batch(
-                engine, inputs, generation_config, continuous_batching_config, max_new_tokens, record_timestamps
+                engine, inputs, generation_config, continuous_batching_config, max_new_tokens, record_timestamps,
+                tokenizer,
             )
     tp = getattr(engine, "tp", None)  # inference_tp_size > 1: every rank of the group makes the same calls
     if not inputs and tp is None:
@@ -45,7 +47,8 @@ def generate_batch(
     config = generation_config if generation_config is not None else hf.generation_config
     if module is not None and tp is None and unsupported_reason(module) is None:
         module.generation_config = hf.generation_config  # the user's generation defaults, shared
-        out = run_generate_batch(module, inputs, config, continuous_batching_config, record_timestamps, max_new_tokens)
+        out = run_generate_batch(module, inputs, config, continuous_batching_config, record_timestamps, max_new_tokens,
+                                 tokenizer)  # fmt: skip
         it = engine.stats.last
         if it is not None:
             it.generate_calls += 1
