@@ -134,8 +134,8 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(pair):
         (prompt, config(16, eos), {}),
         (prompt, config(16, eos), dict(min_tokens=6)),
         (prompt, config(16, eos), dict(ignore_eos=True)),
-        (prompt, config(16), dict(stop_token_ids=frozenset({free[4]}))),
-        (prompt, config(16, eos), dict(logit_bias=((eos, 100.0),))),
+        (prompt, config(16), dict(stop_token_ids=[free[4]])),  # a list, as callers pass it
+        (prompt, config(16, eos), dict(logit_bias={eos: 100.0})),  # a dict, as OpenAI's field
         (prompt, config(16, eos), dict(logit_bias=((eos, 100.0),), min_tokens=3)),
     )
     assert stops.tokens == free[:3] and stops.finish_reason == "stop" and stops.stop_reason is None

@@ -132,6 +132,15 @@ class SamplingParams:
         def bad(name: str, value: Any, rule: str) -> ValueError:
             return ValueError(f"sampling setting {name}={value!r}: {rule}")
 
+        # The hashable forms the engine reads, from what callers naturally pass (a list of ids, a {id: bias} dict).
+        for name in ("eos_token_ids", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, frozenset):
+                if isinstance(value, int) or not hasattr(value, "__iter__"):
+                    raise bad(name, value, "must be a collection of token ids")
+                object.__setattr__(self, name, frozenset(value))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", self.max_new_tokens, "must be an integer >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
