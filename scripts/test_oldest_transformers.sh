@@ -18,6 +18,8 @@ MODULES=(
     tests/test_hybrid.py tests/test_hybrid_fast.py tests/test_hybrid_adapters.py tests/test_trl.py
     tests/test_quant.py tests/test_quant_float_zero.py tests/test_quant_gptq.py tests/test_readme.py
     tests/test_integration.py
+    tests/test_serving_batch_processors.py tests/test_serving_sampling.py tests/test_generation_scores.py
+    tests/test_hybrid_shared_prefill.py
 )
 
 if [ ! -x .venv-oldest/bin/python ]; then

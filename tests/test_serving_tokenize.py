@@ -2,14 +2,13 @@
 The oracle is the tokenizer itself (and its chat template), and the chat route: a chat's token count from
 ``/tokenize`` equals the ``prompt_tokens`` that ``/v1/chat/completions`` reports for the same messages."""
 
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hf_dsinfer[serve]'")
 openai = pytest.importorskip("openai", reason="the openai client is not installed: pip install openai")
+
+from http_json import post_json  # noqa: E402
 
 from hf_dsinfer.real_model import SMOLLM2_INSTALL, smollm2_available, smollm2_path  # noqa: E402
 from hf_dsinfer.serving.serve_cli import build_server  # noqa: E402
@@ -29,13 +28,6 @@ CHAT = [
 ]
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +46,20 @@ def served():
 def test_tokenize_a_prompt(served):
     root, _, tok, server = served
     text = "The quick brown fox jumps over the lazy dog. <|im_start|> 1234"
-    status, answer = _post(root + "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    status, answer = post_json(root + "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
     assert status == 200, answer
     ids = tok(text)["input_ids"]
     assert answer == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids,
                       "token_strs": tok.convert_ids_to_tokens(ids)}  # fmt: skip
     assert server.max_model_len == server.engine.runner.max_positions == CONTEXT
-    status, plain = _post(root + "/tokenize", {"prompt": text, "add_special_tokens": False})  # model is optional
+    status, plain = post_json(root + "/tokenize", {"prompt": text, "add_special_tokens": False})  # model is optional
     assert status == 200 and plain["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
     assert plain["token_strs"] is None
 
 
 def test_tokenize_messages_as_the_chat_route_does(served):
     root, base, tok, _ = served
-    status, answer = _post(root + "/tokenize", {"model": MODEL, "messages": CHAT})
+    status, answer = post_json(root + "/tokenize", {"model": MODEL, "messages": CHAT})
     assert status == 200, answer
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert answer["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
@@ -77,13 +69,13 @@ def test_tokenize_messages_as_the_chat_route_does(served):
 
     # OpenAI's text parts are the same text.
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
-    assert _post(root + "/tokenize", {"messages": parts})[1]["tokens"] == answer["tokens"]
+    assert post_json(root + "/tokenize", {"messages": parts})[1]["tokens"] == answer["tokens"]
     # Without the generation prompt, and with the last message left open (vLLM's continue_final_message).
-    bare = _post(root + "/tokenize", {"messages": CHAT, "add_generation_prompt": False})[1]
+    bare = post_json(root + "/tokenize", {"messages": CHAT, "add_generation_prompt": False})[1]
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
     assert bare["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and bare["count"] < answer["count"]
     prefill = CHAT + [{"role": "assistant", "content": "Madrid is"}]
-    status, open_ended = _post(root + "/tokenize", {"messages": prefill, "continue_final_message": True})
+    status, open_ended = post_json(root + "/tokenize", {"messages": prefill, "continue_final_message": True})
     assert status == 200, open_ended
     text = tok.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
     assert open_ended["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
@@ -99,23 +91,23 @@ def test_tokenize_messages_as_the_chat_route_does(served):
             },
         }
     ]
-    status, with_tools = _post(root + "/tokenize", {"messages": CHAT, "tools": tools})
+    status, with_tools = post_json(root + "/tokenize", {"messages": CHAT, "tools": tools})
     assert status == 200, with_tools
     assert with_tools["count"] > answer["count"] and "get_weather" in tok.decode(with_tools["tokens"])
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, max_tokens=1, temperature=0)
     assert chat.usage.prompt_tokens == with_tools["count"]
     # Template variables the template does not use change nothing (as on the chat route).
-    assert _post(root + "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"unused": 1}})[1] == answer
+    assert post_json(root + "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"unused": 1}})[1] == answer
 
 
 def test_detokenize(served):
     root, _, tok, _ = served
     text = "Hello, world! Ünïcödé and 漢字."
-    ids = _post(root + "/tokenize", {"prompt": text})[1]["tokens"]
-    assert _post(root + "/detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": text})
-    chat_ids = _post(root + "/tokenize", {"messages": CHAT[:2]})[1]["tokens"]
-    assert _post(root + "/detokenize", {"tokens": chat_ids})[1]["prompt"] == tok.decode(chat_ids)  # specials kept
-    assert _post(root + "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+    ids = post_json(root + "/tokenize", {"prompt": text})[1]["tokens"]
+    assert post_json(root + "/detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": text})
+    chat_ids = post_json(root + "/tokenize", {"messages": CHAT[:2]})[1]["tokens"]
+    assert post_json(root + "/detokenize", {"tokens": chat_ids})[1]["prompt"] == tok.decode(chat_ids)  # specials kept
+    assert post_json(root + "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
 
 
 @pytest.mark.parametrize(
@@ -145,7 +137,7 @@ def test_detokenize(served):
 )  # fmt: skip
 def test_bad_requests_name_the_field(served, route, body, status, param):
     root, _, _, _ = served
-    got, answer = _post(root + route, body)
+    got, answer = post_json(root + route, body)
     assert got == status, answer
     assert answer["error"]["param"] == param, answer
-    assert _post(root + "/tokenize", {"prompt": "still serving"})[0] == 200
+    assert post_json(root + "/tokenize", {"prompt": "still serving"})[0] == 200

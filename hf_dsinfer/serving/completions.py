@@ -191,7 +191,7 @@ class CompletionService:
             if c.handle is not None and not c.handle.done:
                 c.handle.cancel()
 
-    def _log(self, job: _Job, outcome: str | None = None) -> None:
+    def _access_log(self, job: _Job, outcome: str | None = None) -> None:
         """The access-log line of one request."""
         usage = job.usage()
         reasons = outcome or ",".join(sorted({str(c.finish_reason) for c in job.choices}))
@@ -222,14 +222,14 @@ class CompletionService:
             while not all(c.done for c in job.choices):
                 index = await updates.get()
                 if index is None:
-                    self._log(job, "client_disconnected")
+                    self._access_log(job, "client_disconnected")
                     return None
                 job.choices[index].advance()
         finally:
             watcher.cancel()
             self._cancel(job)
         error = self._failure(job)
-        self._log(job, "error" if error else None)
+        self._access_log(job, "error" if error else None)
         if error is not None:
             raise error
         return self._chat_body(job) if job.chat else self._completion_body(job)
@@ -340,7 +340,7 @@ class CompletionService:
             outcome = None
         finally:  # also when the client disconnects: free the engine's slots
             self._cancel(job)
-            self._log(job, outcome)
+            self._access_log(job, outcome)
 
     def _first_events(self, job: _Job) -> list[tuple[dict, dict | None]]:
         """The opening chunk of each choice: the assistant role (chat, with an echoed prefix), or the echoed prompt

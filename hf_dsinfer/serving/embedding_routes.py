@@ -59,7 +59,7 @@ class EmbeddingService:
                  batch_wait_s: float = 0.002):  # fmt: skip
         self.embedder, self.model_name = embedder, model_name
         self.max_batch_tokens, self.batch_wait_s = max_batch_tokens, batch_wait_s
-        self._queue: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.forwards = 0  # batches run (tests read it: concurrent requests share them)
 
@@ -79,11 +79,11 @@ class EmbeddingService:
         """Stop the worker after the batch it runs; requests still queued get a 503 (``cancel_pending`` is the
         engine's argument: a stopped worker always answers what it leaves)."""
         if self._thread is not None:
-            self._queue.put(None)
+            self._jobs.put(None)
             self._thread.join(timeout)
             self._thread = None
-        while not self._queue.empty():  # jobs that arrived while stopping: answered, never left hanging
-            job = self._queue.get_nowait()
+        while not self._jobs.empty():  # jobs that arrived while stopping: answered, never left hanging
+            job = self._jobs.get_nowait()
             if job is not None and not job.future.done():
                 job.future.set_exception(RuntimeError("the server is shutting down"))
 
@@ -92,12 +92,12 @@ class EmbeddingService:
         if not self.is_running:
             raise RuntimeError("the embedding worker is not running (start the server first)")
         job = _Job(token_lists)
-        self._queue.put(job)
+        self._jobs.put(job)
         return job.future
 
     def _work(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._jobs.get()
             if job is None:
                 return
             jobs = [job]
@@ -106,7 +106,7 @@ class EmbeddingService:
             stop = False
             while budget < self.max_batch_tokens:
                 try:
-                    more = self._queue.get_nowait()
+                    more = self._jobs.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:

@@ -268,7 +268,7 @@ def scenarios(mods: dict[str, Any]) -> list[tuple[str, str, Any]]:
     if "lora" in mods:
         from aot_lora import lora_scenarios
 
-        out += lora_scenarios(mods["lora"])
+        out += lora_scenarios(mods["lora"], ("bf16", "fp32"))  # fp16 compiles as bf16 (the shared tool checks both)
     return out
 
 

@@ -10,8 +10,6 @@ a decode batch of 32 tokens and a 2048-token prefill.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -55,25 +53,9 @@ def lora_scenarios(launchers: Any, dtypes: tuple[str, ...] = ("bf16", "fp16", "f
 
 def main(argv: list[str] | None = None) -> int:
     """Run the shared ``triton_aot_check.py`` with the LoRA scenarios appended to its own."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
-    parser.add_argument("--tool", required=True, help="path of triton_aot_check.py")
-    args, rest = parser.parse_known_args(argv)
-    spec = importlib.util.spec_from_file_location("triton_aot_check", args.tool)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["triton_aot_check"] = tool
-    spec.loader.exec_module(tool)
-    builtin = tool.build_scenarios
+    from aot_paged import run_tool_with  # this folder is on sys.path (script dir, or added by the test)
 
-    def with_lora(mods: dict, dtypes: list[str], full: bool) -> list:
-        launchers = mods.get("lora")
-        if launchers is None or isinstance(launchers, Exception):
-            raise RuntimeError(f"kernels/lora.py did not import: {launchers!r}")
-        extra = [("lora", label, thunk) for label, _, thunk in lora_scenarios(launchers, tuple(dtypes))]
-        return builtin(mods, dtypes, full) + extra
-
-    tool.build_scenarios = with_lora  # worker processes are forked: they inherit the patched function
-    return tool.main(rest)
-
+    return run_tool_with(argv, "lora", "lora", lora_scenarios, __doc__.split("\n\n")[0])
 
 if __name__ == "__main__":
     sys.exit(main())

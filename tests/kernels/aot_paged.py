@@ -78,9 +78,10 @@ def paged_scenarios(launchers: Any, dtypes: tuple[str, ...] = ("bf16", "fp16", "
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the shared ``triton_aot_check.py`` with the paged scenarios appended to its own."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+def run_tool_with(argv: list[str] | None, kind: str, module: str, scenarios: Callable, description: str) -> int:
+    """Run the shared ``triton_aot_check.py`` (``--tool PATH``, the other arguments its own) with ``scenarios(launchers,
+    dtypes)`` of kernels/``module``.py appended to its built-in scenarios under ``kind``."""
+    parser = argparse.ArgumentParser(description=description, add_help=False)
     parser.add_argument("--tool", required=True, help="path of triton_aot_check.py")
     args, rest = parser.parse_known_args(argv)
     spec = importlib.util.spec_from_file_location("triton_aot_check", args.tool)
@@ -89,17 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     spec.loader.exec_module(tool)
     builtin = tool.build_scenarios
 
-    def with_paged(mods: dict, dtypes: list[str], full: bool) -> list:
-        launchers = mods.get("paged_attention_triton")
+    def with_extra(mods: dict, dtypes: list[str], full: bool) -> list:
+        launchers = mods.get(module)
         if launchers is None or isinstance(launchers, Exception):
-            raise RuntimeError(f"kernels/paged_attention_triton.py did not import: {launchers!r}")
-        extra = [("paged_attention", label, thunk) for label, _, thunk in paged_scenarios(launchers, tuple(dtypes))]
+            raise RuntimeError(f"kernels/{module}.py did not import: {launchers!r}")
+        extra = [(kind, label, thunk) for label, _, thunk in scenarios(launchers, tuple(dtypes))]
         return builtin(mods, dtypes, full) + extra
 
     # Worker processes are forked, so they inherit the patched function.
-    tool.build_scenarios = with_paged
+    tool.build_scenarios = with_extra
     return tool.main(rest)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the shared ``triton_aot_check.py`` with the paged scenarios appended to its own."""
+    return run_tool_with(argv, "paged_attention", "paged_attention_triton", paged_scenarios,
+                         __doc__.split("\n\n")[0])  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main())
