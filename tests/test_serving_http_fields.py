@@ -186,6 +186,28 @@ def test_structured_json_and_a_required_tool_call(served):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+
+def test_a_named_tool_choice_calls_that_tool(served):
+    """tool_choice naming a function: the answer is one call of that function (constrained to its schema), even when
+    another tool fits the question better; naming a tool that is not in ``tools`` is a 400 naming tool_choice."""
+    client, _, _, _, _ = served
+    def tool(name: str, arg: str) -> dict:
+        schema = {"type": "object", "properties": {arg: {"type": "string", "maxLength": 20}}, "required": [arg],
+                  "additionalProperties": False}  # fmt: skip
+        return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+    tools = [tool("get_weather", "city"), tool("get_time", "timezone")]
+    chosen = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       max_tokens=40, temperature=0, tools=tools, tool_choice=chosen)  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, repr(c.message.content)
+    call = c.message.tool_calls[0]
+    assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"timezone"}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
+
 def test_refused_and_unknown_fields_get_400_and_the_server_keeps_serving(served, caplog):
     client, _, _, _, _ = served
     cases = {"use_beam_search": True, "best_of": 3, "suffix": "x", "chat_template": "{{ x }}", "typo_field": 1,
