@@ -29,7 +29,7 @@ from .engine_requests import (
     model_sampling_defaults,
     sampling_params,
 )
-from .http_common import RequestError, json_body
+from .http_common import RequestError, json_body, model_not_found
 from .protocol import ParsedRequest, parse_request
 from .responses import ChoiceState, chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .tool_output import ToolOutput, constraint_for, tool_parser_for
@@ -125,8 +125,7 @@ class CompletionService:
         adapters = self.engine.lora.names() if self.engine.lora is not None else []  # --enable-lora
         if req.model is not None and req.model != self.model_name and req.model not in adapters:
             also = f" and the LoRA adapters {adapters}" if adapters else ""
-            raise RequestError(f"The model '{req.model}' does not exist: this server serves '{self.model_name}'{also}",
-                               status=404, param="model", code="model_not_found")  # fmt: skip
+            raise model_not_found(req.model, self.model_name, also)
         prompts = chat_prompt(req, self.tokenizer) if chat else completion_prompts(req, self.tokenizer)
         if len(prompts.ids) * req.n > self.max_choices:
             raise RequestError(f"'n'={req.n} with {len(prompts.ids)} prompt(s): at most {self.max_choices} choices in "

@@ -22,7 +22,7 @@ import torch
 
 from ..log import logger
 from .embeddings import Embedder
-from .http_common import RequestError, json_body, param
+from .http_common import RequestError, json_body, model_not_found, param, unknown_field
 from .tokenize_routes import chat_prompt_ids
 
 __all__ = ["EmbeddingService", "build_embedding_server"]
@@ -178,12 +178,10 @@ class EmbeddingService:
                                param="normalize")  # fmt: skip
         for name in body:
             if name not in _FIELDS:
-                raise RequestError(f"Unrecognized request argument supplied: '{name}'; /v1/embeddings takes: "
-                                   f"{', '.join(sorted(_FIELDS))}", param=name)  # fmt: skip
+                raise unknown_field(name, "/v1/embeddings", _FIELDS)
         model = param(body, "model", str)
         if model is not None and model != self.model_name:
-            raise RequestError(f"The model '{model}' does not exist: this server serves '{self.model_name}'",
-                               status=404, param="model", code="model_not_found")  # fmt: skip
+            raise model_not_found(model, self.model_name)
         for name in ("mm_processor_kwargs", "media_io_kwargs"):
             if body.get(name):
                 raise RequestError(f"'{name}' is for multimodal models; this one takes text only", param=name)

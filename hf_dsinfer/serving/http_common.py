@@ -10,7 +10,7 @@ import json
 import socket
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "RequestError", "bind_socket", "json_body", "param"]
+__all__ = ["INSTALL_HINT", "RequestError", "bind_socket", "json_body", "model_not_found", "param", "unknown_field"]
 
 INSTALL_HINT = 'pip install -e ".[serve]" (fastapi and uvicorn)'
 
@@ -25,6 +25,18 @@ class RequestError(Exception):
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def unknown_field(name: str, route: str, fields: object, hint: str = "") -> RequestError:
+    """OpenAI's 400 for a field ``route`` does not take, listing the ``fields`` it takes."""
+    return RequestError(f"Unrecognized request argument supplied: '{name}'{hint}; {route} takes: "
+                        f"{', '.join(sorted(fields))}", param=name)  # fmt: skip
+
+
+def model_not_found(model: str, served: str, also: str = "") -> RequestError:
+    """The 404 for a ``model`` this server does not serve (``also``: what else it serves, e.g. adapters)."""
+    return RequestError(f"The model '{model}' does not exist: this server serves '{served}'{also}", status=404,
+                        param="model", code="model_not_found")  # fmt: skip
 
 
 def param(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .http_common import RequestError
+from .http_common import RequestError, unknown_field
 
 __all__ = ["ACCEPTED", "FIELDS", "HONOURED", "REFUSED", "FieldSpec", "ParsedRequest", "fields_markdown",
            "parse_request"]  # fmt: skip
@@ -306,8 +306,7 @@ def parse_request(body: dict, chat: bool) -> ParsedRequest:
         spec = table.get(name)
         if spec is None:
             hint = f" (it belongs to {'/v1/completions' if chat else '/v1/chat/completions'})" if name in other else ""
-            raise RequestError(f"Unrecognized request argument supplied: '{name}'{hint}; {route} takes: "
-                               f"{', '.join(sorted(table))}", param=name)  # fmt: skip
+            raise unknown_field(name, route, table, hint)
         if value is None:
             continue
         if not _kind_ok(value, spec.kinds):

@@ -10,7 +10,7 @@ answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` w
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``request: Request``) at runtime.
 from typing import Any
 
-from .http_common import RequestError, json_body, param
+from .http_common import RequestError, json_body, model_not_found, param, unknown_field
 
 __all__ = ["TokenizeService", "chat_prompt_ids"]
 
@@ -71,12 +71,10 @@ class TokenizeService:
                 continue
             if name in _CHAT_FIELDS:  # a chat option on a text prompt
                 raise RequestError(f"'{name}' applies to 'messages' (a chat), not to 'prompt'", param=name)
-            raise RequestError(f"Unrecognized request argument supplied: '{name}'; this route takes: "
-                               f"{', '.join(sorted(fields))}", param=name)  # fmt: skip
+            raise unknown_field(name, "this route", fields)
         model = param(body, "model", str)
         if model is not None and model != self.model_name:
-            raise RequestError(f"The model '{model}' does not exist: this server serves '{self.model_name}'",
-                               status=404, param="model", code="model_not_found")  # fmt: skip
+            raise model_not_found(model, self.model_name)
 
     def tokenize(self, body: dict) -> dict:
         """The answer of ``/tokenize`` to ``body``; raises :class:`RequestError`."""
