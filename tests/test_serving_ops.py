@@ -141,14 +141,19 @@ def test_context_of_a_folder_saved_with_an_inference_config(tiny_path, tmp_path)
     assert serving_inference_config(str(tmp_path / "saved"), max_model_len=200).max_out_tokens == 200  # the flag wins
 
 
+REFUSED = "hf_dsinfer:admission_rejections_total{{reason={}}}"
+
+
 def test_api_key_and_open_probes(served):
     _, base, root = served
+    before = scrape(root)[REFUSED.format("unauthorized")]
     assert call(base + "/models", key=None)[0] == 401
     status, headers, body = call(base + "/completions", {"model": "tiny-llama", "prompt": "Hi"}, key="wrong")
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and headers["www-authenticate"] == "Bearer"
     assert call(base + "/models")[0] == 200
     assert call(root + "/health", key=None)[0] == 200
     assert call(root + "/metrics", key=None)[0] == 200
+    assert scrape(root)[REFUSED.format("unauthorized")] == before + 2  # the two 401s above, counted by reason
 
 
 def test_cors(served):
@@ -219,6 +224,7 @@ def test_stop_string_counts_as_stop(served):
 
 def test_backpressure_refuses_at_once(served):
     server, base, root = served
+    refused_before = scrape(root)
     results: list = []
     body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}
     with server.engine.paused():  # no step runs: admitted requests stay in flight while the burst arrives
@@ -238,6 +244,9 @@ def test_backpressure_refuses_at_once(served):
     done = [r for r in results if r[0] == 200]
     assert len(done) == 4 and all(b["choices"][0]["finish_reason"] in ("stop", "length") for _, _, b in done)
     assert server.gate.in_flight == 0
+    refused_after = scrape(root)  # the 4 refusals are exported by reason; nothing else was refused meanwhile
+    for reason, added in (("max_num_queued_reqs", 4), ("shutting_down", 0), ("unauthorized", 0)):
+        assert refused_after[REFUSED.format(reason)] == refused_before[REFUSED.format(reason)] + added
 
 
 def test_health_503_after_the_engine_dies(tiny_path):

@@ -21,9 +21,12 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["Gate"]
+__all__ = ["REJECTION_REASONS", "Gate"]
 
 GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: why the gate refused a request: the queue cap (429; vLLM's reason label for ``--max-num-queued-reqs``), a drain in
+#: progress (503), a missing or wrong API key (401)
+REJECTION_REASONS = ("max_num_queued_reqs", "shutting_down", "unauthorized")
 
 
 def _error(status: int, message: str, kind: str, code: str) -> dict:
@@ -42,7 +45,8 @@ class Gate:
         self.retry_after_s = retry_after_s
         self.draining = False
         self.in_flight = 0  # choices of admitted generating requests not yet answered
-        self.rejected = {"unauthorized": 0, "queue_full": 0, "shutting_down": 0}
+        #: requests refused at the door, by reason (exported as ``hf_dsinfer:admission_rejections_total{reason}``)
+        self.rejected = dict.fromkeys(REJECTION_REASONS, 0)
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
         path = scope.get("path", "")
@@ -63,7 +67,7 @@ class Gate:
         raw, more = await _read_body(receive)
         weight, replaced = self._inspect(raw) if not more else (1, None)
         if self.max_num_queued_reqs is not None and self.in_flight + weight > max(self.max_num_queued_reqs, weight):
-            self.rejected["queue_full"] += 1
+            self.rejected["max_num_queued_reqs"] += 1
             body = _error(429, f"the server is at its limit of {self.max_num_queued_reqs} requests in flight "
                           f"(--max-num-queued-reqs); retry after {self.retry_after_s} s or on another replica",
                           "rate_limit_error", "queue_full")  # fmt: skip

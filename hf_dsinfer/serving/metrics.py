@@ -94,6 +94,12 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       stats.prefix_hit_tokens)  # fmt: skip
         yield counter("num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions)
+        if m.rejections is not None:  # the server's gate: requests refused before reaching the engine
+            family = CounterMetricFamily(PREFIX + "admission_rejections", "Requests refused at admission, by reason.",
+                                         labels=["model_name", "reason"])  # fmt: skip
+            for reason, count in m.rejections.items():
+                family.add_metric([m.model_name, reason], count)
+            yield family
         for name, doc in SPEC_DECODE_COUNTERS.items():
             value = getattr(stats, name, None)
             if value is not None:  # only an engine that speculates reports these
@@ -115,6 +121,8 @@ class ServerMetrics:
         except ImportError as e:
             raise ImportError(f"hf-dsinfer serve's /metrics needs prometheus_client: {METRICS_INSTALL_HINT}") from e
         self.engine, self.model_name = engine, model_name
+        #: the server gate's refusal counts by reason (``Gate.rejected``, set by the server once its gate is built)
+        self.rejections: dict[str, int] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(self))
         labels = ["model_name"]

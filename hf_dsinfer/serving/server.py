@@ -305,6 +305,8 @@ class _GateFactory:
 
     def __new__(cls, app: Any, server: OpenAIServer) -> Any:  # noqa: D102 - a middleware factory
         server.gate = Gate(app, **server._gate_options)
+        if server.metrics is not None:
+            server.metrics.rejections = server.gate.rejected  # read at each scrape
         return server.gate
 
 
