@@ -1,8 +1,9 @@
 """Speculative decoding inside the serving engine (n-gram proposals, hf_dsinfer.serving.speculation): greedy output
 equals plain decoding token for token (and HF generate alone, the oracle) with proposals accepted and rejected,
 several requests per step, with and without prefix sharing, under preemption, with stop tokens inside an accepted
-run; requests that cannot speculate run exactly as without it; the config's refusals; SmolLM2 on a copy-heavy
-prompt."""
+run; seeded sampled and penalized requests speculate and keep their text; requests that cannot speculate run exactly
+as without it; the config's refusals; SmolLM2 on a copy-heavy prompt. Sampled verification's distribution and the
+draft model: tests/test_serving_spec_sampling.py."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def test_stop_token_inside_an_accepted_run(llama):
     engine.runner.blocks.check()
 
 
-def test_requests_that_cannot_speculate_run_as_without_it(llama):
+def test_requests_with_log_probs_run_as_without_it_sampled_and_penalized_ones_speculate(llama):
     _, opt = llama
     prompt = batch()[0]
     sampled = transformers.GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=50,
@@ -107,10 +108,13 @@ def test_requests_that_cannot_speculate_run_as_without_it(llama):
         hs = [engine.submit(prompt, sampled, seed=5), engine.submit(prompt, greedy(16), logprobs=2),
               engine.submit(prompt, greedy(16), repetition_penalty=1.3)]  # fmt: skip
         engine.run_until_idle()
-        results.append(([h.tokens for h in hs], [[(e.token, e.logprob) for e in hs[1].logprobs]], engine.stats))
+        results.append(([h.tokens for h in hs], [(e.token, e.logprob) for e in hs[1].logprobs], engine.stats))
     (tokens, lps, _), (spec_tokens, spec_lps, stats) = results
-    assert spec_tokens == tokens and spec_lps == lps
-    assert stats.spec_decode_num_draft_tokens == 0
+    assert spec_tokens == tokens  # the seeded sampled request draws the same text; the penalized one is exact
+    assert [t for t, _ in spec_lps] == [t for t, _ in lps]
+    # the log-probs request never speculates; its step packs other tokens around it, so only rounding may differ
+    assert [lp for _, lp in spec_lps] == pytest.approx([lp for _, lp in lps], abs=1e-4)
+    assert stats.spec_decode_num_draft_tokens > 0
 
 
 def test_config_refusals_name_the_setting():
@@ -118,8 +122,12 @@ def test_config_refusals_name_the_setting():
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (3, 5, 5)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    draft = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 3})  # vLLM infers the method
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/some/draft", 3)
     bad = [
-        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "unknown key"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "method='ngram'"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs \"model\""),
+        ({"num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}, "unknown key"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "method='eagle'"),
         ({"method": "ngram"}, "num_speculative_tokens=None"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens=0"),

@@ -40,7 +40,7 @@ from .omp import release_idle_openmp_workers
 from .requests import SamplingParams, Sequence, TokenLogprobs
 from .runner import PagedRunner
 from .scheduler import Scheduler
-from .speculation import NgramSpeculator, SpeculativeConfig, count_speculation
+from .speculation import SpeculativeConfig, count_speculation, make_speculator
 
 #: Finish reasons a handle can end with. "stop": an EOS token or one of ``stop_token_ids`` (included in the tokens),
 #: a structured-output constraint completed, or a transformers stopping criterion fired; "length": max_new_tokens;
@@ -221,7 +221,8 @@ class ServingEngine:
             ``submit(..., adapter=name)``; requests of different adapters and the base share each step.
         max_loras / max_lora_rank: adapter slots held at once, and the largest rank an adapter may have.
         speculative_config: vLLM's ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
-            "prompt_lookup_min": n}`` (dict or JSON): greedy requests verify n-gram proposals (:mod:`.speculation`).
+            "prompt_lookup_min": n}`` or ``{"model": DRAFT_PATH, "num_speculative_tokens": k}`` (dict or JSON):
+            greedy and sampled requests verify n-gram or draft-model proposals (:mod:`.speculation`).
     """
 
     def __init__(
@@ -250,7 +251,7 @@ class ServingEngine:
             prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,
         )  # fmt: skip
         self.speculation = SpeculativeConfig.parse(speculative_config)  # None: no speculation
-        self.scheduler.speculator = NgramSpeculator(self.speculation) if self.speculation is not None else None
+        self.scheduler.speculator = make_speculator(self.speculation, self.runner)  # None: no speculation
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.options: dict[str, Any] = {}  # what a cache of engines keys this one by (generate_batch's)
         self._stats = ServingStats()

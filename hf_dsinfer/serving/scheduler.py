@@ -74,7 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.pending: dict[bytes, Sequence] = {}  # block key -> the running request computing that block
-        self.speculator = None  # a serving.speculation.NgramSpeculator when the engine speculates
+        self.speculator = None  # serving.speculation's NgramSpeculator or serving.draft's DraftSpeculator
 
     @property
     def has_work(self) -> bool:
@@ -136,6 +136,8 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_tokens
         copies_before = self.blocks.copies
+        if self.speculator is not None:  # a draft model frees the state of requests no longer running
+            self.speculator.retain(self.running)
         for seq in list(self.running):
             if budget == 0:
                 break
