@@ -38,7 +38,7 @@ from ..log import logger
 from .lora import LoRAAdapter, LoRARegistry
 from .omp import release_idle_openmp_workers
 from .requests import SamplingParams, Sequence, TokenLogprobs
-from .runner import PagedRunner
+from .runner import PagedRunner, tp_group_of
 from .scheduler import Scheduler
 from .speculation import SpeculativeConfig, count_speculation, make_speculator
 
@@ -88,6 +88,17 @@ class ServingStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "prefill_saving": self.prefill_saving}
+
+
+def _check_tp(tp: Any, enable_lora: bool) -> None:
+    """Refuse what the tensor-parallel engine does not do: running on a rank other than 0, LoRA adapters."""
+    if tp.rank != 0:
+        raise ValueError(f"ServingEngine on rank {tp.rank} of a tensor-parallel model: rank 0 runs the engine; call "
+                         "hf_dsinfer.serving.tp_worker.run_worker(model) on the other ranks")  # fmt: skip
+    if enable_lora:
+        raise ValueError("enable_lora with tensor parallelism is not supported yet (the adapters' weights are not "
+                         "split over the ranks): serve adapters with tp_size 1, or merge the adapter "
+                         "first")  # fmt: skip
 
 
 class RequestHandle:
@@ -245,7 +256,14 @@ class ServingEngine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServingEngine({name}={value!r}): pass a positive integer")
         self.model = model
+        tp = tp_group_of(model)
+        if tp.size > 1:
+            _check_tp(tp, enable_lora)
         self.runner = PagedRunner(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+        if tp.size > 1:  # rank 0 of a tensor-parallel model: each step goes to the other ranks first (.tp_worker)
+            from .tp_worker import channel_for
+
+            self.runner.channel = channel_for(model)
         self.scheduler = Scheduler(
             self.runner.blocks, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
             prefix_sharing=prefix_sharing, max_positions=self.runner.max_positions,
@@ -481,9 +499,13 @@ class ServingEngine:
             while True:
                 with self._wake:
                     while not self._stopping and not (self._incoming or self._cancelled or self.scheduler.has_work):
+                        if self._fatal is not None:  # fail() while idle (a tensor-parallel worker died)
+                            raise self._fatal
                         self._wake.wait(timeout=0.5)
                     if self._stopping:
                         return
+                if self._fatal is not None:
+                    raise self._fatal
                 self.step()
         except BaseException as e:  # noqa: BLE001 - fail every request with the error rather than hang their readers
             self._fatal = e
@@ -495,6 +517,22 @@ class ServingEngine:
         their KV was computed with the old ones). Blocks of running requests are unaffected."""
         with self._step_lock:
             self.scheduler.blocks.forget_cached()
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the engine failed from another thread (e.g. a tensor-parallel worker process died): ``/health`` turns
+        503, new requests are refused and the stepping thread fails every request at its next turn."""
+        with self._wake:
+            if self._fatal is None:
+                self._fatal = error
+            self._wake.notify()
+
+    def stop_workers(self, result: Any = None) -> None:
+        """Tensor parallelism, rank 0: end the other ranks' :func:`~.tp_worker.run_worker` (it returns ``result``).
+        Call it after :meth:`stop` (no step may run meanwhile); a later step sets the workers up again."""
+        if self.runner.channel is None:
+            return
+        with self._step_lock:
+            self.runner.channel.send_stop(result)
 
     @property
     def fatal_error(self) -> BaseException | None:

@@ -15,7 +15,8 @@ bad_words_ids, stop_strings with ``tokenizer=`` as ``generate(tokenizer=...)``, 
 :meth:`~.requests.SamplingParams.from_generation_config`); beam search and contrastive search are refused by name.
 
 Models the paged engine cannot serve exactly (:func:`~.runner.unsupported_reason`) get the padded fallback
-(:mod:`.padded`) for ``generate_batch``, with one warning.
+(:mod:`.padded`) for ``generate_batch``, with one warning. A tensor-parallel model runs the paged engine on every rank
+(:func:`~.tp_worker.tp_generate_batch`: every rank calls ``generate_batch``, rank 0 schedules and samples).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..policies.injection import get_injection
 from .engine import RequestHandle, ServingEngine, ServingStats
 from .padded import padded_generate_batch
 from .requests import SamplingParams
-from .runner import unsupported_reason
+from .runner import tp_group_of, unsupported_reason
 
 ENGINE_ATTR = "_dsinfer_batch_engine"  # the engine generate_batch keeps on the model between calls
 STATS_ATTR = "_dsinfer_batch_stats"
@@ -210,13 +211,21 @@ def generate_batch(
     effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway). ``tokenizer=``:
     as ``generate(tokenizer=...)``, needed for ``stop_strings``.
     """
-    if not inputs:
-        return {}
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     tokenizer = kwargs.pop("tokenizer", None)
     if kwargs:
         logger.warning("hf_dsinfer generate_batch: ignoring unknown arguments %s", sorted(kwargs))
     reason = unsupported_reason(self)
+    if reason is None and tp_group_of(self).size > 1:  # every rank calls it; rank 0 schedules (.tp_worker)
+        from .tp_worker import tp_generate_batch
+
+        def run(prompts: list[list[int]]) -> dict[str, Any]:
+            return run_generate_batch(self, prompts, generation_config, continuous_batching_config, record_timestamps,
+                                      max_new_tokens, tokenizer)  # fmt: skip
+
+        return tp_generate_batch(self, inputs, run)
+    if not inputs:
+        return {}
     if reason is not None:
         warn_once(f"hf_dsinfer: generate_batch runs padded static batches through generate (not continuous "
                   f"batching): {reason}.")
@@ -418,6 +427,12 @@ def init_continuous_batching(
 ) -> FusedContinuousBatchingManager:
     """transformers' ``init_continuous_batching`` on the fused layers: a manager over a new :class:`ServingEngine`."""
     config = generation_config if generation_config is not None else self.generation_config
+    if tp_group_of(self).size > 1:
+        raise ValueError(
+            "init_continuous_batching with tensor parallelism: the other ranks must run the steps too. Use "
+            "generate_batch on every rank, `hf-dsinfer serve --tensor-parallel-size N`, or a ServingEngine on rank 0 "
+            "with hf_dsinfer.serving.tp_worker.run_worker(model) on the others (docs/tensor_parallel.md)."
+        )
     if unsupported_reason(self) is not None:
         raise ValueError(
             f"init_continuous_batching on fused layers cannot serve this model: {unsupported_reason(self)}; load it "

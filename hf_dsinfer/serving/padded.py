@@ -1,11 +1,11 @@
 """The padded fallback of ``generate_batch``: left-padded static batches through ``generate``, transformers' outputs.
 
-Used where the paged engine cannot serve a fused model exactly (ALiBi on the Triton kernels, tensor parallelism; see
-:func:`~hf_dsinfer.serving.runner.unsupported_reason`): the prompts are left-padded into batches of at most
-``rows`` prompts and run through ``generate`` (hf_dsinfer's fast loop on the static cache). Every row decodes until
-the longest one finishes, which wastes work on mixed lengths; the outputs are transformers' all the same: ``req_<i>``
-per prompt, ``num_return_sequences - 1`` children ``req_<i>__child#<j>`` before each parent, tokens up to and
-including the first EOS.
+Used where the paged engine cannot serve a fused model exactly (ALiBi on the Triton kernels; see
+:func:`~hf_dsinfer.serving.runner.unsupported_reason`) and by the Hybrid Engine's tensor-parallel copy: the prompts
+are left-padded into batches of at most ``rows`` prompts and run through ``generate`` (hf_dsinfer's fast loop on the
+static cache). Every row decodes until the longest one finishes, which wastes work on mixed lengths; the outputs are
+transformers' all the same: ``req_<i>`` per prompt, ``num_return_sequences - 1`` children ``req_<i>__child#<j>``
+before each parent, tokens up to and including the first EOS.
 """
 
 from __future__ import annotations

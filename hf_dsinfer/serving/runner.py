@@ -6,10 +6,17 @@ keys/values into the paged cache through the slot mapping and attends through th
 runs only on the last token of each request that has now computed all its tokens (and on the prompt positions of
 requests asking for prompt log-probs). Each request's next token comes from its own settings
 (:func:`~.sampling.select_tokens`).
+
+The step splits in two: :meth:`PagedRunner.step_inputs` turns a :class:`StepPlan` into plain tensors
+(:class:`StepInputs`: token ids, positions, slot mapping, block tables, the rows that need logits, copy-on-write block
+copies) and :meth:`PagedRunner.forward` runs them. Under tensor parallelism rank 0 schedules, sends the
+:class:`StepInputs` to the other ranks (:mod:`.tp_worker`, one broadcast) and every rank runs ``forward`` on its shard
+and its own paged cache (its local KV heads, the same block ids); only rank 0 samples.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,8 +48,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return "ALiBi attention (bloom) over the paged cache: its Triton kernels have no ALiBi (the torch path has)"
         if not spec.causal:
             return "non-causal attention"
-        if attn.o.reduce is not None:
-            return "tensor parallelism (the engine runs one rank)"
     return None
 
 
@@ -53,8 +58,53 @@ def _triton_paged(model: nn.Module) -> bool:
     return use_triton(model.get_output_embeddings().weight)
 
 
+def tp_group_of(model: nn.Module) -> Any:
+    """The model's tensor-parallel :class:`~hf_dsinfer.parallel.TPGroup` (the trivial group when not split)."""
+    from ..parallel import SINGLE
+    from ..parallel.apply import GROUP_ATTR
+
+    return getattr(model, GROUP_ATTR, SINGLE)
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the LM head's logits: the whole vocabulary, also when the head is split over TP ranks."""
+    from ..parallel.layers import TP_ATTR
+
+    head = model.get_output_embeddings()
+    split = getattr(head, TP_ATTR, None)
+    if isinstance(split, dict) and split.get("kind") == "vocab_head":
+        return int(sum(split["sizes"]))
+    return int(head.weight.shape[0])
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step, as CPU tensors (rank 0 builds it; under TP it is broadcast).
+
+    ``T`` tokens of ``S`` sequences; ``prompt_rows`` and ``sample_rows`` index the packed tokens whose logits are
+    needed (prompt log-probs; next tokens and speculative verification), each read by one LM-head call, which under
+    TP gathers the vocab over the ranks (so every rank calls it with the same rows). ``copies``: the copy-on-write
+    block copies the scheduler decided since the last step, done before the step on every rank.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, MB] int32, unused entries 0
+    prompt_rows: torch.Tensor  # [N] int64
+    sample_rows: torch.Tensor  # [R] int64
+    copies: torch.Tensor  # [K, 2] int64: (source block, destination block)
+    lora_slots: torch.Tensor | None = None  # [T] int64: each token's adapter slot (-1: base); None: no adapters
+
+
 class PagedRunner:
-    """Owns the paged cache and block manager of one model and runs :class:`StepPlan` s on its fused layers."""
+    """Owns the paged cache and block manager of one model and runs :class:`StepPlan` s on its fused layers.
+
+    ``channel``: under tensor parallelism on rank 0, the :class:`~.tp_worker.StepChannel` that sends each step's
+    :class:`StepInputs` to the other ranks before running it here (None: one process).
+    """
 
     def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int | None, max_num_seqs: int = 64):
         reason = unsupported_reason(model)
@@ -69,9 +119,13 @@ class PagedRunner:
         if num_blocks is None:
             num_blocks = self._default_blocks(model, specs, block_size, max_num_seqs)
         self.cache = PagedKVCache([s.num_kv_heads for s in specs], [s.head_dim for s in specs], num_blocks, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, self.cache.copy_block)
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        # Copy-on-write copies are recorded when the scheduler decides them and done at the start of the next step
+        # (every TP rank does them then); nothing reads the cache in between.
+        self._copies: list[tuple[int, int]] = []
+        self.blocks = BlockManager(num_blocks, block_size, lambda src, dst: self._copies.append((src, dst)))
+        self.vocab = vocab_size(model)
         self.lora = None  # a serving.lora.LoRARegistry when adapters are enabled (the engine sets it)
+        self.channel = None  # a tp_worker.StepChannel on rank 0 of a tensor-parallel model (the engine sets it)
 
     def _default_blocks(self, model: nn.Module, specs: list, block_size: int, max_num_seqs: int) -> int:
         """Room for ``max_num_seqs`` requests of ``max_out_tokens``, within half the free GPU memory (a quarter of the
@@ -99,8 +153,8 @@ class PagedRunner:
             if outside:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab}): {outside[:5]}")
 
-    def _context(self, plan: StepPlan, device: torch.device) -> tuple[torch.Tensor, PagedStepContext]:
-        """The step's ``input_ids [1, T]`` and its paged context."""
+    def step_inputs(self, plan: StepPlan, prompt_rows: list[int], sample_rows: list[int]) -> StepInputs:
+        """The :class:`StepInputs` of ``plan`` (rank 0); takes the copy-on-write copies recorded since the last step."""
         bs = self.blocks.block_size
         ids, positions, slots, cu, lens = [], [], [], [0], []
         width = max(len(seq.block_table) for seq, _ in plan.chunks)
@@ -114,46 +168,66 @@ class PagedRunner:
             cu.append(cu[-1] + n)
             lens.append(start + n)
             tables[s, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-
-        def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        pos = dev(positions, torch.long)  # [T]
-        empty = torch.empty(0, dtype=torch.int32, device=device)
-        ctx = PagedStepContext(
-            cache=self.cache, start=empty, cache_lens=empty, positions=pos, rotary=self.runtime.rotary,
-            block_tables=tables.to(device), cu_seqlens_q=dev(cu, torch.int32), seq_lens_k=dev(lens, torch.int32),
-            slot_mapping=dev(slots, torch.long),
+        lora = None
+        if self.lora is not None:  # each token's adapter slot (-1: base) for the LoRA side paths
+            lora = torch.tensor([-1 if s.lora is None else s.lora.slot for s, n in plan.chunks for _ in range(n)])
+        copies, self._copies = self._copies, []
+        long = torch.long
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=long), positions=torch.tensor(positions, dtype=long),
+            slot_mapping=torch.tensor(slots, dtype=long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+            prompt_rows=torch.tensor(prompt_rows, dtype=long), sample_rows=torch.tensor(sample_rows, dtype=long),
+            copies=torch.tensor(copies, dtype=long).reshape(-1, 2), lora_slots=lora,
         )  # fmt: skip
-        return dev([ids], torch.long), ctx
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> dict[int, int]:
-        """Run ``plan`` through the model; returns ``{id(sequence): next token}`` for each request whose tokens are all
-        computed after this step (the others are mid-prefill)."""
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run one step on this rank's layers and paged cache: ``(prompt_logits [N, V], logits [R, V])`` (fp32; None
+        where no row is asked for). Every rank of a tensor-parallel group calls it with the same ``step``."""
         model, runtime = self.model, self.runtime
         device = model.get_output_embeddings().weight.device
-        input_ids, ctx = self._context(plan, device)
-        positions = ctx.positions[None]  # [1, T]
-        hidden = runtime.policy.embed(model, input_ids, positions)  # [1, T, C]
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        positions = dev(step.positions)  # [T]
+        hidden = runtime.policy.embed(model, dev(step.input_ids)[None], positions[None])  # [1, T, C]
         self.cache.allocate(hidden.device, hidden.dtype)
+        for src, dst in step.copies.tolist():  # copy-on-write decided by the scheduler, before this step writes
+            self.cache.copy_block(src, dst)
         if runtime.rotary is not None and runtime.rotary.cos.device != hidden.device:
             runtime.rotary.to(hidden.device)
-        if self.lora is None:
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        ctx = PagedStepContext(
+            cache=self.cache, start=empty, cache_lens=empty, positions=positions, rotary=runtime.rotary,
+            block_tables=dev(step.block_tables), cu_seqlens_q=dev(step.cu_seqlens), seq_lens_k=dev(step.seq_lens),
+            slot_mapping=dev(step.slot_mapping),
+        )  # fmt: skip
+        if step.lora_slots is None or self.lora is None:
             hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
-        else:  # each token's adapter slot (-1: base) for the LoRA side paths, for this forward only
-            slots = [-1 if s.lora is None else s.lora.slot for s, n in plan.chunks for _ in range(n)]  # [T]
-            self.lora.set_step(slots, device)
+        else:  # each token's adapter slot for the LoRA side paths, for this forward only
+            self.lora.set_step(step.lora_slots.tolist(), device)
             try:
                 hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
             finally:
                 self.lora.set_step(None, device)
         head = model.get_output_embeddings()
-        where, owners = prompt_logprob_rows(plan.chunks, device)
-        if where:  # prompt log-probs: the LM head over those requests' prompt positions only
-            rows = hidden[0, torch.tensor(where, device=hidden.device)]  # [N, C]
-            logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [N, V]
-            record_prompt_logprobs(logits, owners)
+
+        def logits_at(rows: torch.Tensor) -> torch.Tensor | None:
+            if not rows.numel():
+                return None
+            picked = hidden[0, dev(rows)]  # [N, C]
+            return runtime.policy.finalize_logits(model, head(picked)[:, None])[:, 0].float()  # [N, V] fp32
+
+        return logits_at(step.prompt_rows), logits_at(step.sample_rows)
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> dict[int, int]:
+        """Run ``plan`` through the model; returns ``{id(sequence): next token}`` for each request whose tokens are all
+        computed after this step (the others are mid-prefill)."""
+        device = self.model.get_output_embeddings().weight.device
+        where, owners = prompt_logprob_rows(plan.chunks, device)  # prompt log-probs: those prompt positions only
         last, ready = [], []
         spec, spec_rows = [], []  # speculating requests: logits at every position they ran
         end = 0
@@ -166,10 +240,15 @@ class PagedRunner:
             elif seq.num_computed + n == len(seq.tokens):
                 last.append(end - 1)
                 ready.append(seq)
-        if not ready and not spec:
+        step = self.step_inputs(plan, where, last + spec_rows)
+        if self.channel is not None:
+            self.channel.attach(self.blocks.num_blocks, self.blocks.block_size)
+            self.channel.send_step(step)  # the other TP ranks run the same step on their shards
+        prompt_logits, logits = self.forward(step)  # [N, V], [R + D, V] fp32
+        if prompt_logits is not None:
+            record_prompt_logprobs(prompt_logits, owners)
+        if logits is None:
             return {}
-        rows = hidden[0, torch.tensor(last + spec_rows, device=hidden.device)]  # [R + D, C]
-        logits = runtime.policy.finalize_logits(model, head(rows)[:, None])[:, 0].float()  # [R + D, V] fp32
         out = {id(seq): tok for seq, tok in zip(ready, select_tokens(logits[: len(last)], ready))} if ready else {}
         if spec:
             out.update(verify_greedy(logits[len(last) :], spec, plan.accepted))
