@@ -103,6 +103,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "prompt_lookup_num_tokens on HF and hf_dsinfer (hf_dsinfer/bench/lookup.py; --new-tokens, --repeats)",
     )
     _add_http_arguments(p)
+    _add_engine_feature_arguments(p)
+
+
+def _add_engine_feature_arguments(p: argparse.ArgumentParser) -> None:
+    """``--speculation`` (hf_dsinfer/bench/speculation.py) and ``--lora-mix`` (hf_dsinfer/bench/lora.py)."""
+    g = p.add_argument_group("serving engine features (docs/serving.md)")
+    g.add_argument("--speculation", action="store_true", help="n-gram speculation against plain decoding in the "
+                   "serving engine, copy-heavy / chat / sampled copy requests, real SmolLM2 (--repeats rounds, "
+                   "--new-tokens, --threads)")  # fmt: skip
+    g.add_argument("--lora-mix", action="store_true", help="4 LoRA adapters + base, 64 requests, in one engine "
+                   "against one merged model per adapter in turn, real SmolLM2 (--new-tokens, --threads)")  # fmt: skip
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,6 +158,24 @@ def _quant_peers(value: str | None) -> tuple[str, ...]:
     return tuple(f"dsinfer-{q}" for q in names)
 
 
+def _engine_feature_bench(ns: argparse.Namespace) -> dict:
+    """``--speculation`` and / or ``--lora-mix``: each module's report (JSON files in ``--out``)."""
+    report = {}
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.speculation:
+        from .speculation import main as speculation_main
+
+        report["speculation"] = speculation_main(["--rounds", str(ns.repeats), "--new-tokens", str(ns.new_tokens),
+                                                  "--json", os.path.join(ns.out, "bench-speculation.json")])
+    if ns.lora_mix:
+        from .lora import main as lora_main
+
+        report["lora_mix"] = lora_main(["--new-tokens", str(ns.new_tokens),
+                                        "--json", os.path.join(ns.out, "bench-lora-mix.json")])
+    return report
+
+
 def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
     # warm-up calls must finish the CPU decode step's compile (by default it runs in the background meanwhile)
@@ -157,6 +186,8 @@ def bench_main(ns: argparse.Namespace) -> dict:
         if ns.serve_url and ns.serve_peers:
             raise SystemExit("give --serve-url (a running server) or --serve-peers (servers to start), not both")
         return http_main(ns)
+    if getattr(ns, "speculation", False) or getattr(ns, "lora_mix", False):
+        return _engine_feature_bench(ns)
     if getattr(ns, "encoder", False):
         from .encoder import encoder_bench_main
 
