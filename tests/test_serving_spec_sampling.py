@@ -189,3 +189,20 @@ def test_a_draft_with_another_vocabulary_is_refused(llama, drafts):
     _, other = drafts
     with pytest.raises(ValueError, match="speculative_config model=.*vocabulary has 400 tokens, the target's 500"):
         ServingEngine(opt, speculative_config={"model": other, "num_speculative_tokens": 2})
+
+
+def test_a_draft_without_a_policy_runs_unfused_with_a_warning(llama, tmp_path, caplog):
+    from tiny_models import make_tokenizer
+
+    opt, _ = llama
+    config = transformers.PhiConfig(vocab_size=500, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=3, max_position_embeddings=256, pad_token_id=PAD)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.PhiForCausalLM(config).save_pretrained(tmp_path)  # phi (not phi3): no policy
+    make_tokenizer().save_pretrained(tmp_path)
+    reqs = [r for r in requests() if not r[1].do_sample]
+    plain, _ = run(opt, reqs)
+    with caplog.at_level("WARNING", logger="hf_dsinfer"):
+        spec, stats = run(opt, reqs, {"model": str(tmp_path), "num_speculative_tokens": 2})
+    assert spec == plain and stats.spec_decode_num_draft_tokens > 0
+    assert "runs unfused" in caplog.text

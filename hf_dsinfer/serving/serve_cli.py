@@ -267,9 +267,10 @@ def add_serve_arguments(parser: Any) -> None:
                        "choices count n); past it a request gets 429 with Retry-After (default: no limit)")  # fmt: skip
     sched.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
                        help="do not share the KV blocks of identical prompt prefixes")  # fmt: skip
-    sched.add_argument("--speculative-config", metavar="JSON", help="n-gram speculative decoding for greedy requests, "
-                       'vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                       '"prompt_lookup_min": 2}\' (default: off)')  # fmt: skip
+    sched.add_argument("--speculative-config", metavar="JSON", help="speculative decoding (greedy and sampled "
+                       'requests), vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or a draft model \'{"model": PATH, '
+                       '"num_speculative_tokens": 4}\' (default: off)')  # fmt: skip
     lora = parser.add_argument_group("LoRA adapters (docs/serving.md, Adapters)")
     lora.add_argument("--enable-lora", action="store_true", help="serve peft LoRA adapters: a request's model names "
                       "its adapter (or the base model)")  # fmt: skip
