@@ -114,6 +114,17 @@ def _add_engine_feature_arguments(p: argparse.ArgumentParser) -> None:
                    "--new-tokens, --threads)")  # fmt: skip
     g.add_argument("--lora-mix", action="store_true", help="4 LoRA adapters + base, 64 requests, in one engine "
                    "against one merged model per adapter in turn, real SmolLM2 (--new-tokens, --threads)")  # fmt: skip
+    _add_peer_arguments(p)
+
+
+def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """``--peer llamacpp`` (hf_dsinfer/bench/llamacpp.py) and ``--prefill`` (hf_dsinfer/bench/prefill.py)."""
+    g = p.add_argument_group("llama.cpp beside us, and prefill (docs/performance.md)")
+    g.add_argument("--peer", choices=("llamacpp",), help="llamacpp: llama.cpp (pip install xllamacpp) and hf_dsinfer "
+                   "on SmolLM2's weights in F32/Q8_0/Q4_1 vs fp32/int8/int4, alternating, prefill and decode split "
+                   "(with --preset smollm2-real; --prompt-len, --new-tokens, --repeats rounds)")  # fmt: skip
+    g.add_argument("--peer-threads", default="1,2", help="--peer: thread counts, each in every round (default 1,2)")
+    g.add_argument("--peer-formats", default="fp32,int8,int4", help="--peer: formats (default fp32,int8,int4)")
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,6 +197,10 @@ def bench_main(ns: argparse.Namespace) -> dict:
         if ns.serve_url and ns.serve_peers:
             raise SystemExit("give --serve-url (a running server) or --serve-peers (servers to start), not both")
         return http_main(ns)
+    if getattr(ns, "peer", None) == "llamacpp":
+        from .llamacpp import llamacpp_main
+
+        return llamacpp_main(ns)
     if getattr(ns, "speculation", False) or getattr(ns, "lora_mix", False):
         return _engine_feature_bench(ns)
     if getattr(ns, "encoder", False):
