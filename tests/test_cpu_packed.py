@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -88,6 +89,27 @@ def test_other_row_counts_prefill_and_autograd_keep_f_linear(pack_all):
     assert not cpu_packed.applies(x, w, trainable)
     trainable(x).sum().backward()
     torch.testing.assert_close(w.grad, x.sum(0).expand(40, 24))
+
+@needs_onednn
+def test_ragged_rows_count_the_tokens_of_one_row(pack_all):
+    """The serving engine's ragged step ``[1, T, C]``: inside ``ragged_rows()`` its T tokens pack as T rows (4..MAX),
+    the product still equals F.linear; outside it (and on other threads) the same shape is a prefill."""
+    lin = _linear(40, 24, bias=True)
+    x = torch.randn(1, 6, 24)  # one row of 6 tokens (6 decoding requests)
+    assert not cpu_packed.applies(x, lin.weight, lin)
+    with cpu_packed.ragged_rows():
+        assert cpu_packed.applies(x, lin.weight, lin)
+        assert not cpu_packed.applies(torch.randn(1, 3, 24), lin.weight, lin)  # under MIN_ROWS
+        assert not cpu_packed.applies(torch.randn(1, cpu_packed.MAX_ROWS + 1, 24), lin.weight, lin)
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(cpu_packed.applies(x, lin.weight, lin)))
+        other.start()
+        other.join()
+        assert seen == [False]  # the switch is this thread's
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert cpu_packed.packed_bytes(lin) > 0
+    assert not cpu_packed.applies(x, lin.weight, lin)  # off again on exit
+
 
 
 @needs_onednn

@@ -25,17 +25,23 @@ How it stays correct:
   something other than ``F.linear`` in a one-off probe (one info line naming the op and the fallback), every linear
   keeps ``F.linear``, and so does anything that needs autograd or is not fp32 on CPU.
 
-Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU holds its linear and LM-head
-weights twice (the embedding is not packed). ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read
+The serving engine packs its tokens of different requests into one ``[1, T, C]`` row; its steps run inside
+:func:`ragged_rows`, where those T tokens count as T rows, so 4-32 decoding requests take the packed GEMM too.
+
+Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU (or serving 4 or more
+requests at once) holds its linear and LM-head weights twice (the embedding is not packed). ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read
 before every step); :func:`packed_bytes` tells what the cache holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import platform
+import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +76,7 @@ _slots = itertools.count(1)
 _available: bool | None = None
 _stats = {"packs": 0}  # how many weights were (re-)packed in this process (tests and reports read it)
 _on = False  # the process-wide switch, refreshed by sync() outside compiled graphs (a traced read is guarded)
+_ragged = threading.local()  # .on: inside ragged_rows() on this thread
 
 
 def _probe() -> tuple[bool, str | None]:
@@ -165,9 +172,23 @@ def applies(x: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the oneDNN op has no backward here
-    if x.ndim > 2 and x.shape[-2] != 1:
+    if x.ndim > 2 and x.shape[-2] != 1 and (torch.compiler.is_compiling() or not getattr(_ragged, "on", False)):
         return False  # several tokens per sequence (a prefill): MKL is as fast there, and batch-1 use packs nothing
     return MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+
+
+@contextlib.contextmanager
+def ragged_rows() -> Iterator[None]:
+    """Within it (on this thread), the ``T`` tokens of a ``[1, T, C]`` activation count as ``T`` rows: the serving
+    engine's ragged step packs its tokens of different requests into one row, so a step of 4-32 decoding requests
+    takes the packed GEMM as a batch of one-token rows does (a 4-request SmolLM2 step spent 2.5x a 1-request step's
+    time in MKL's ``sgemm`` without it)."""
+    before = getattr(_ragged, "on", False)
+    _ragged.on = True
+    try:
+        yield
+    finally:
+        _ragged.on = before
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
