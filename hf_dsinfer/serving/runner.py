@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modules import cpu_packed
 from ..modules.attention import PagedStepContext
 from ..modules.kv_cache import PagedKVCache, _device_free_bytes
 from ..policies.injection import get_injection
@@ -204,21 +205,23 @@ class PagedRunner:
             block_tables=dev(step.block_tables), cu_seqlens_q=dev(step.cu_seqlens), seq_lens_k=dev(step.seq_lens),
             slot_mapping=dev(step.slot_mapping),
         )  # fmt: skip
-        if step.lora_slots is None or self.lora is None:
-            hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
-        else:  # each token's adapter slot for the LoRA side paths, for this forward only
-            self.lora.set_step(step.lora_slots.tolist(), device)
-            try:
+        with cpu_packed.ragged_rows():  # fp32 CPU: 4-32 tokens (decoding requests) take the prepacked GEMM
+            if step.lora_slots is None or self.lora is None:
                 hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
-            finally:
-                self.lora.set_step(None, device)
+            else:  # each token's adapter slot for the LoRA side paths, for this forward only
+                self.lora.set_step(step.lora_slots.tolist(), device)
+                try:
+                    hidden = runtime.run_layers(model, hidden, ctx)  # [1, T, C]
+                finally:
+                    self.lora.set_step(None, device)
         head = model.get_output_embeddings()
 
         def logits_at(rows: torch.Tensor) -> torch.Tensor | None:
             if not rows.numel():
                 return None
             picked = hidden[0, dev(rows)]  # [N, C]
-            return runtime.policy.finalize_logits(model, head(picked)[:, None])[:, 0].float()  # [N, V] fp32
+            logits = cpu_packed.module_forward(head, picked)  # [N, V] (packed on CPU in fp32 for 4-32 rows)
+            return runtime.policy.finalize_logits(model, logits[:, None])[:, 0].float()  # [N, V] fp32
 
         return logits_at(step.prompt_rows), logits_at(step.sample_rows)
 
