@@ -13,9 +13,15 @@ killed worker turns ``/health`` to 503, and no worker outlives the server.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 import traceback
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -24,7 +30,7 @@ import transformers
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from test_parallel import launch  # noqa: E402 - the gloo launcher, run on this file's worker
+from test_parallel import free_port, launch  # noqa: E402 - the gloo launcher, run on this file's worker
 from tiny_models import PAD, prompts, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_serving_tp")
@@ -231,6 +237,135 @@ def test_step_encoding_round_trips():
     for field in step.__dataclass_fields__:
         a, b = getattr(step, field), getattr(back, field)
         assert torch.equal(a, b) and a.dtype == b.dtype, field
+
+
+# -- hf-dsinfer serve --tensor-parallel-size 2 -------------------------------------------------------------------------
+
+SERVE_PROMPTS = ["Hello world", "The quick brown fox jumps", "Once upon a time", "a b c d e f g"]
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _health(root: str) -> int:
+    try:
+        with urllib.request.urlopen(root + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def _answers(base: str) -> list[tuple[str, str]]:
+    """Greedy and seeded-sampling completions of SERVE_PROMPTS through the openai client: (text, finish_reason)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+    out = []
+    for i, prompt in enumerate(SERVE_PROMPTS):
+        for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 7 + i}):
+            r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=10, **extra)
+            out.append((r.choices[0].text, r.choices[0].finish_reason))
+    return out
+
+
+def test_serve_tensor_parallel_size_2_answers_as_tp1_and_stops_its_worker(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from hf_dsinfer.serving.serve_cli import build_server
+
+    path = save_tiny("llama", tmp_path / "tiny-llama")
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hf_dsinfer", "serve", path, "--tensor-parallel-size", "2", "--port", str(port),
+           "--inference-config", '{"dtype": "fp32"}', "--max-model-len", "64", "--disable-log-requests"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while _health(root) != 200:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        assert len(workers) == 1, f"one worker process expected, found {workers}"
+        got = _answers(root + "/v1")
+        # tp=1: the same folder and settings in this process
+        torch.set_num_threads(1)
+        server = build_server(path, {"dtype": "fp32"}, max_model_len=64)
+        base = server.start("127.0.0.1", 0)
+        try:
+            want = _answers(base)
+        finally:
+            server.stop()
+        assert got == want, "tensor-parallel answers differ from tp=1"
+        # a worker that dies turns /health to 503 (the server watches its workers)
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _health(root) != 503:
+            assert time.monotonic() < deadline, "/health still answers 200 after the worker died"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+        assert "tensor-parallel worker died" in log, log[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"worker {pid} outlived the server"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_serve_clean_shutdown_leaves_no_worker(tmp_path):
+    """SIGTERM with healthy workers: the stop message ends them, the server exits 0, no process is left."""
+    pytest.importorskip("fastapi")
+    path = save_tiny("llama", tmp_path / "tiny-llama")
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hf_dsinfer", "serve", path, "-tp", "2", "--port", str(port), "--inference-config",
+           '{"dtype": "fp32"}', "--max-model-len", "64"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while _health(root) != 200:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
+        req = urllib.request.Request(root + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert workers and all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in workers)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":

@@ -77,11 +77,12 @@ SINGLE = TPGroup(None, 1, 0)
 _DEFAULT_GROUPS: dict[int, TPGroup] = {}
 
 
-def init_distributed() -> bool:
+def init_distributed(timeout: Any = None) -> bool:
     """Initialize the default process group when a launcher set ``WORLD_SIZE`` and nobody has yet.
 
     Returns True when torch.distributed is initialized afterwards. With CUDA the backend is NCCL and this rank's
-    device is ``LOCAL_RANK``; without CUDA it is gloo.
+    device is ``LOCAL_RANK``; without CUDA it is gloo. ``timeout`` (a ``datetime.timedelta``): how long a collective
+    may wait (torch's default when None; a server's idle workers wait longer, see ``serving.tp_launch``).
     """
     if not dist.is_available():
         return False
@@ -93,11 +94,12 @@ def init_distributed() -> bool:
     # after init_process_group (transformers' model loading imports it), it would keep the default group alive past
     # destroy_process_group(), into interpreter shutdown (see TPGroup); imported now it binds None.
     import torch.distributed.nn  # noqa: F401
+    extra = {} if timeout is None else {"timeout": timeout}
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", **extra)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **extra)
     return True
 
 

@@ -501,11 +501,16 @@ class ServingEngine:
                     while not self._stopping and not (self._incoming or self._cancelled or self.scheduler.has_work):
                         if self._fatal is not None:  # fail() while idle (a tensor-parallel worker died)
                             raise self._fatal
+                        if self.runner.channel is not None and self.runner.channel.keepalive_due:
+                            break
                         self._wake.wait(timeout=0.5)
                     if self._stopping:
                         return
                 if self._fatal is not None:
                     raise self._fatal
+                if self.runner.channel is not None and self.runner.channel.keepalive_due:
+                    with self._step_lock:  # idle tensor-parallel workers: keep their wait short of the timeout
+                        self.runner.channel.keepalive()
                 self.step()
         except BaseException as e:  # noqa: BLE001 - fail every request with the error rather than hang their readers
             self._fatal = e

@@ -135,13 +135,67 @@ def build_server(
     return server
 
 
-def serve(path: str, inference_config: Any = None, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> None:
+def serve(path: str, inference_config: Any = None, host: str = "127.0.0.1", port: int = 8000, *,
+          tensor_parallel_size: int = 1, threads: int | None = None, **kwargs: Any) -> None:  # fmt: skip
     """Load ``path``, build engine and server (:func:`build_server`'s ``kwargs``) and serve until SIGTERM / Ctrl-C,
-    then drain for ``shutdown_timeout`` seconds and return."""
-    server = build_server(path, inference_config, **kwargs)
-    print(f"hf_dsinfer: serving '{server.model_name}' on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
-          file=sys.stderr, flush=True)  # fmt: skip
-    server.run(host, port)
+    then drain for ``shutdown_timeout`` seconds and return.
+
+    ``tensor_parallel_size`` N > 1: the model is split over N processes (:mod:`.tp_launch`): this one (rank 0) serves
+    and starts the N - 1 workers itself, or, started by torchrun with ``WORLD_SIZE`` N, rank 0 serves and the other
+    ranks run the workers' loop here; the workers stop with the server. ``threads``: each worker's CPU threads.
+    """
+    workers = None
+    if tensor_parallel_size != 1:
+        from .tp_launch import SERVE_TIMEOUT, TPWorkers, launched_rank, serve_worker
+
+        inference_config = _tp_inference_config(path, inference_config, tensor_parallel_size, **kwargs)
+        rank = launched_rank(tensor_parallel_size)
+        if rank not in (None, 0):  # torchrun started this rank: a worker, no HTTP
+            serve_worker(path, inference_config, threads)
+            return
+        from ..parallel.groups import init_distributed
+
+        workers = TPWorkers.spawn(tensor_parallel_size, path, inference_config, threads) if rank is None else \
+            TPWorkers([])  # fmt: skip
+        init_distributed(timeout=SERVE_TIMEOUT)
+    server = None
+    try:
+        server = build_server(path, inference_config, **kwargs)
+        if workers is not None:
+            workers.watch(server.engine)
+        print(f"hf_dsinfer: serving '{server.model_name}' on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        server.run(host, port)
+    finally:
+        if workers is not None:
+            workers.close(server.engine if server is not None else None)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _tp_inference_config(path: str, inference_config: Any, size: int, **kwargs: Any) -> dict:
+    """The inference config (a JSON-ready dict) every rank of a ``--tensor-parallel-size`` server loads ``path``
+    with; refuses what the tensor-parallel engine does not serve, before anything starts."""
+    from .embeddings import detect_runner
+
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size {size}: pass a positive number of processes")
+    if kwargs.get("enable_lora"):
+        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet: serve adapters with "
+                         "--tensor-parallel-size 1, or merge the adapter into the model")  # fmt: skip
+    runner = kwargs.get("runner", "auto")
+    if (detect_runner(path) if runner == "auto" else runner) == "pooling":
+        raise ValueError("--tensor-parallel-size > 1 serves generating models only (--runner generate), not an "
+                         "embedding model")  # fmt: skip
+    cfg = serving_inference_config(path, inference_config, kwargs.get("max_model_len"))
+    tp = cfg.tensor_parallel
+    if tp.tp_size not in (1, size):
+        raise ValueError(f"--tensor-parallel-size {size} and the inference config's tensor_parallel.tp_size "
+                         f"{tp.tp_size} disagree: set it in one place")  # fmt: skip
+    tp.tp_size, tp.enabled = size, True
+    return {k: v for k, v in cfg.to_diff_dict().items() if k != "quant_method"}
 
 
 def _list(text: str | None) -> list[str] | None:
@@ -183,7 +237,13 @@ def serve_main(args: Any) -> None:
     from ..generation.threads import apply_threads, warn_if_busy
     from ..real_model import resolve_model_name
 
-    apply_threads(args.threads)  # before loading: torch's CPU threads, process-wide
+    tp_size = getattr(args, "tensor_parallel_size", 1)
+    threads = args.threads
+    if tp_size > 1:  # the ranks share the machine's cores (CPU); --threads sets each rank's
+        from .tp_launch import threads_per_rank
+
+        threads = threads_per_rank(tp_size, args.threads)
+    apply_threads(threads)  # before loading: torch's CPU threads, process-wide
     if not args.disable_log_requests:  # the access log, at info whatever transformers' verbosity
         access_logger.setLevel(logging.INFO)
     warn_if_busy(args.threads, how="--threads 1")
@@ -203,6 +263,7 @@ def serve_main(args: Any) -> None:
             runner=getattr(args, "runner", "auto"), pooler_config=_pooler_config(getattr(args, "pooler_config", None)),
             enable_lora=args.enable_lora, lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, speculative_config=getattr(args, "speculative_config", None),
+            tensor_parallel_size=tp_size, threads=threads,
             **({"tool_call_parser": args.tool_call_parser} if args.tool_call_parser else {}),
         )  # fmt: skip
     except ValueError as e:  # a setting that cannot work, named in the message
@@ -241,7 +302,11 @@ def add_serve_arguments(parser: Any) -> None:
     add("--max-model-len", type=int, help="context length: prompt plus new tokens of one request (default: the "
         "model's own, e.g. max_position_embeddings; sets the inference config's max_out_tokens)")  # fmt: skip
     add("--default-max-tokens", type=int, default=256, help="new tokens of chat completions without max_tokens")
-    add("--threads", type=int, help="torch CPU threads for the process (default: torch's, one per core)")
+    add("--threads", type=int, help="torch CPU threads for the process (default: torch's, one per core; with "
+        "--tensor-parallel-size N on a CPU, the cores divided by N, for each rank)")  # fmt: skip
+    add("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N processes (tensor "
+        "parallelism; gloo on CPU, NCCL on GPU, one GPU a rank): the server starts the N - 1 workers itself, or "
+        "under torchrun rank 0 serves and the others work (docs/tensor_parallel.md)")  # fmt: skip
     add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text "
         "(default: hermes when the chat template knows <tool_call>, else json)")  # fmt: skip
     add("--disable-log-requests", action="store_true", help="no access-log line per request (default: one line "

@@ -10,7 +10,8 @@ vocab gather are the only other collectives. Only rank 0 samples.
 
 The messages (:class:`StepChannel`): ``SETUP`` (the cache's ``num_blocks``, ``block_size``: a worker builds or reuses
 its runner), ``STEP``, ``STOP`` (ends :func:`run_worker`, carrying a picklable result, e.g. ``generate_batch``'s
-outputs) and ``GROW`` (a message longer than the buffer: both sides enlarge it first; rare). Everything goes through
+outputs) ``GROW`` (a message longer than the buffer: both sides enlarge it first; rare) and ``NOOP`` (an idle engine's
+keep-alive, every :data:`KEEPALIVE_S` seconds). Everything goes through
 torch.distributed (gloo on CPU, NCCL on GPU); there is no transport of our own.
 
 Use::
@@ -24,13 +25,16 @@ Use::
         run_worker(model)                          # returns when rank 0 calls stop_workers()
 
 ``model.generate_batch(...)`` does this by itself on every rank (:func:`tp_generate_batch`), and ``hf-dsinfer serve
---tensor-parallel-size N`` starts its workers itself (:mod:`.tp_launch`).
+--tensor-parallel-size N`` starts its workers itself (:mod:`.tp_launch`). A worker stays in :func:`run_worker` while
+rank 0's engine lives; errors there are not reported back to rank 0 (rank 0 runs the same code on the same shapes
+first, so a step that fails fails there too; a worker that dies ends its process, which the server watches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -42,7 +46,10 @@ from .runner import PagedRunner, StepInputs, tp_group_of
 
 __all__ = ["StepChannel", "channel_for", "run_worker", "tp_generate_batch"]
 
-SETUP, STEP, STOP, GROW = 1, 2, 3, 4
+SETUP, STEP, STOP, GROW, NOOP = 1, 2, 3, 4, 5
+#: An idle engine's stepping thread sends a ``NOOP`` this often, so that idle workers' waits stay under the process
+#: group's timeout (a broadcast to a dead worker fails then, too).
+KEEPALIVE_S = 60.0
 _CAPACITY = 1 << 12  # int64 entries of the first buffer (32 KiB): a step of 256 tokens and 64 short requests fits
 _CHANNEL_ATTR = "_dsinfer_step_channel"
 _WORKER_ATTR = "_dsinfer_worker_runner"
@@ -63,6 +70,7 @@ class StepChannel:
         self.buffer = torch.zeros(_CAPACITY, dtype=torch.long, device=self.device)
         self.attached: tuple[int, int] | None = None  # (num_blocks, block_size) the workers were set up with
         self.messages = 0  # broadcasts made (tests count one per step)
+        self.last_sent = time.monotonic()
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
 
@@ -78,6 +86,15 @@ class StepChannel:
         self.buffer[: message.numel()].copy_(message)
         dist.broadcast(self.buffer, src=self.tp.first_global_rank, group=self.tp.group)
         self.messages += 1
+        self.last_sent = time.monotonic()
+
+    @property
+    def keepalive_due(self) -> bool:
+        return time.monotonic() - self.last_sent > KEEPALIVE_S
+
+    def keepalive(self) -> None:
+        """A message the workers skip (keeps their wait short of the process group's timeout)."""
+        self._send(NOOP, torch.empty(0, dtype=torch.long))
 
     def attach(self, num_blocks: int, block_size: int) -> None:
         """Make sure the workers run a cache of ``num_blocks`` x ``block_size`` (a ``SETUP`` when that changed or after
@@ -109,6 +126,8 @@ class StepChannel:
             payload = self.buffer[2 : 2 + n].cpu()
             if kind == GROW:
                 self.buffer = torch.zeros(int(payload[0]), dtype=torch.long, device=self.device)
+                continue
+            if kind == NOOP:
                 continue
             if kind == SETUP:
                 return kind, tuple(payload.tolist())
