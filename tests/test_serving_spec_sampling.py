@@ -177,6 +177,9 @@ def test_a_draft_model_gives_plain_decodings_tokens(llama, drafts):
     spec, stats = run(opt, reqs, {"model": small, "num_speculative_tokens": 3}, max_batch_tokens=24)
     assert spec == plain
     assert stats.spec_decode_num_draft_tokens > 0
+    # a cache too small for all at once: decodes preempt, and the draft's cache (as many blocks) runs short too
+    tight, stats = run(opt, reqs, {"model": small, "num_speculative_tokens": 3}, num_blocks=40, max_batch_tokens=16)
+    assert tight == plain and stats.preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
     # the target as its own draft: every proposal is the target's greedy token, so the greedy ones are all accepted
     greedy = [r for r in reqs if not r[1].do_sample and not r[2]]
     same, stats = run(opt, greedy, {"model": path, "num_speculative_tokens": 3})

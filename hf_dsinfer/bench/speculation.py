@@ -93,8 +93,7 @@ def run(model: Any, tok: Any, rounds: int, new_tokens: int) -> dict:
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return {
-        "settings": {"rounds": rounds, "new_tokens": new_tokens, "threads": torch.get_num_threads(),
-                     "loadavg": _loadavg(), "ngram": NGRAM},  # fmt: skip
+        "settings": {"rounds": rounds, "new_tokens": new_tokens, "threads": torch.get_num_threads(), "ngram": NGRAM},
         "rows": rows,
         "same_tokens": {k: all(v) for k, v in same.items()},
     }
@@ -127,9 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model_name(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, inference_config={"dtype": args.dtype}).eval()
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), _loadavg()
     report = run(model, tok, args.rounds, args.new_tokens)
-    report["settings"].update(model=path, wall_s=round(time.perf_counter() - t0, 1), loadavg_end=_loadavg())
+    report["settings"].update(model=path, wall_s=round(time.perf_counter() - t0, 1), loadavg_start=load,
+                              loadavg_end=_loadavg())  # fmt: skip
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -6,7 +6,8 @@ transformers' forward on the whole sequence per proposed token (one warning: cor
 speculate (:func:`~.speculation.may_speculate`) keeps a draft-side copy of its sequence: before a step the draft
 catches up with the tokens it has not computed (the previous step's accepted proposals and the target's own token; the
 KV it wrote for rejected proposals is simply overwritten, as in the target's cache), then proposes ``k`` tokens
-greedily, one draft step each. The engine verifies them like n-gram proposals (:func:`~.speculation.verify`): greedy
+greedily, one draft step each; each draft step runs all the speculating requests together (a ragged step of the
+draft, as the target's). The engine verifies them like n-gram proposals (:func:`~.speculation.verify`): greedy
 requests keep plain decoding's tokens; sampled ones keep the target's distribution (a greedy draft is a point mass).
 
 The draft must share the target's vocabulary: the same LM-head size and, where both folders have a tokenizer, the
@@ -90,19 +91,44 @@ class DraftSpeculator:
                            "each proposed token (%s): expect little or no speed-up", config.model, reason)  # fmt: skip
         self.params = SamplingParams(max_new_tokens=1, eos_token_ids=frozenset())  # the draft's own steps: argmax
         self.states: dict[int, Sequence] = {}  # id(request) -> the draft's copy of its sequence (fused draft)
+        self.ready: dict[int, list[int]] = {}  # id(request) -> this step's proposal (fused draft, begin_step)
+        self.max_positions = runner.max_positions
 
-    def retain(self, running: list[Sequence]) -> None:
-        """Free the draft-side state (and blocks) of requests that are no longer running (finished, preempted)."""
+    def begin_step(self, running: list[Sequence]) -> None:
+        """Before the scheduler plans a step: free the draft-side state (and blocks) of requests no longer running
+        (finished, preempted), then (fused draft) propose for every running request that may speculate, all of them
+        in each draft step (``k`` draft steps in all, whatever the number of requests)."""
         keep = {id(seq) for seq in running}
         for key in [k for k in self.states if k not in keep]:
             self._drop(key)
+        self.ready = {}
+        if self.runner is None:
+            return
+        states, out = [], {}
+        for seq in running:
+            room = room_for(seq, self.config.num_speculative_tokens, self.config.num_speculative_tokens + 1,
+                            self.max_positions) if may_speculate(seq) else 0  # fmt: skip
+            state = self._catch_up(seq, room) if room > 0 else None
+            if state is not None:
+                states.append((seq, state, room))
+                out[id(seq)] = []
+        while states:  # one draft step: for each request, the tokens the draft has not computed, then its argmax
+            picks = self.runner.run(StepPlan(chunks=[(st, len(st.tokens) - st.num_computed) for _, st, _ in states]))
+            for seq, st, room in states:
+                st.num_computed = len(st.tokens)
+                out[id(seq)].append(picks[id(st)])
+                if len(out[id(seq)]) < room:  # the last proposal is never fed to the draft
+                    st.tokens.append(picks[id(st)])
+            states = [(seq, st, room) for seq, st, room in states if len(out[id(seq)]) < room]
+        self.ready = out
 
     def _drop(self, key: int) -> None:
         state = self.states.pop(key)
         self.runner.blocks.release_all(state.block_table)
 
     def proposal(self, seq: Sequence, budget: int, max_positions: int | None) -> list[int]:
-        """Up to ``k`` tokens the draft proposes after ``seq``'s tokens (``[]``: it decodes one token)."""
+        """Up to ``k`` tokens the draft proposes after ``seq``'s tokens (``[]``: it decodes one token): those made in
+        :meth:`begin_step` (fused draft), cut to this step's room, or the unfused draft's, made now."""
         if not may_speculate(seq):
             return []
         room = room_for(seq, self.config.num_speculative_tokens, budget, max_positions)
@@ -110,18 +136,7 @@ class DraftSpeculator:
             return []
         if self.runner is None:
             return self._eager(seq.tokens, room)
-        state = self._catch_up(seq, room)
-        if state is None:
-            return []
-        out: list[int] = []
-        while True:  # one draft step per proposed token: the tokens it has not computed, then its argmax
-            n = len(state.tokens) - state.num_computed
-            token = self.runner.run(StepPlan(chunks=[(state, n)]))[id(state)]
-            state.num_computed += n
-            out.append(token)
-            if len(out) == room:
-                return out
-            state.tokens.append(token)
+        return self.ready.get(id(seq), [])[:room]  # a cut proposal's extra draft KV is overwritten next time
 
     def _catch_up(self, seq: Sequence, room: int) -> Sequence | None:
         """The draft's copy of ``seq``: its computed prefix cut to where it still matches ``seq``'s tokens, with blocks

@@ -136,8 +136,8 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_tokens
         copies_before = self.blocks.copies
-        if self.speculator is not None:  # a draft model frees the state of requests no longer running
-            self.speculator.retain(self.running)
+        if self.speculator is not None:  # a draft model drops finished requests' state and drafts for the others
+            self.speculator.begin_step(self.running)
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -151,8 +151,8 @@ class NgramSpeculator:
             return []
         return propose(seq.tokens, room, self.config.prompt_lookup_max, min_ngram=self.config.prompt_lookup_min)
 
-    def retain(self, running: list[Sequence]) -> None:
-        """Called at each step with the running requests (n-gram proposals keep no state)."""
+    def begin_step(self, running: list[Sequence]) -> None:
+        """Called before each step's plan with the running requests (n-gram proposals keep no state)."""
 
 
 def make_speculator(config: SpeculativeConfig | None, runner: Any) -> Any:
