@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'hf_dsinfer[serve]'")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'hf_dsinfer[serve]'")
 
+from http_json import post_json  # noqa: E402
 from tiny_models import save_tiny  # noqa: E402
 
 from hf_dsinfer.bench.http_bench import api_base, bench_server, markdown, report_header, served_model  # noqa: E402
@@ -134,9 +135,15 @@ def test_peer_that_cannot_run_is_skipped_with_its_reason(monkeypatch):
     from hf_dsinfer.bench import http_peers
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    peer = http_peers.peer_command("llamacpp", "/nowhere", "/no.gguf", 1, 256)
-    assert "llama-cpp-python is not installed" in peer.skip_reason
+    absent = {"llama_cpp", "xllamacpp"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    peer = http_peers.peer_command("llamacpp", "/nowhere", __file__, 1, 256)
+    assert "neither llama-cpp-python nor xllamacpp is installed" in peer.skip_reason
+    absent.discard("xllamacpp")  # llama.cpp's own server from the xllamacpp wheel, on the slots the sweep needs
+    peer = http_peers.peer_command("llamacpp", "/nowhere", __file__, 2, 256, parallel=4)
+    assert peer.argv[1:3] == ["-m", "hf_dsinfer.bench.llamacpp_server"]
+    assert peer.argv[peer.argv.index("--parallel") + 1] == "4" and peer.argv[peer.argv.index("--threads") + 1] == "2"
+    assert "no GGUF file" in http_peers.peer_command("llamacpp", "/m", "/no.gguf", 1, 256).skip_reason
     ours = http_peers.peer_command("ours-q4", "/m", None, 2, 256)
     assert ours.argv[1:4] == ["-m", "hf_dsinfer", "serve"] and '"zero_point": "float"' in ours.argv[-1]
     assert ours.env["OMP_NUM_THREADS"] == "2" and ours.base_url.startswith("http://127.0.0.1:")
@@ -171,3 +178,27 @@ def test_a_server_refusing_ignore_eos_is_asked_with_min_tokens_then_nothing():
     assert [r["length_control"] for r in found["refused"]] == ["ignore_eos"] * 2 + ["min_tokens"] * 2
     assert all(r["error"].startswith("HTTP 422") for r in found["refused"])
     assert seen[-1] == ["stream_options"]
+
+
+def test_llamacpp_server_peer_answers_on_loopback():
+    """The ``llamacpp`` peer without llama-cpp-python: llama.cpp's own server from the xllamacpp wheel, started as the
+    HTTP benchmark starts it, answers a chat request with the asked number of tokens and stops on SIGTERM."""
+    pytest.importorskip("xllamacpp", reason="xllamacpp not installed (pip install -e '.[peers]')")
+    from hf_dsinfer.bench import http_peers
+    from hf_dsinfer.real_model import smollm2_gguf
+
+    try:
+        gguf = str(smollm2_gguf())
+    except Exception as e:  # noqa: BLE001 - the wheel with the GGUF is not installed
+        pytest.skip(f"no SmolLM2 GGUF: {e}")
+    peer = http_peers.peer_command("llamacpp", "/unused", gguf, 1, 256, parallel=2)
+    if "hf_dsinfer.bench.llamacpp_server" not in peer.argv:
+        pytest.skip("llama-cpp-python is installed: the peer runs its server instead")
+    assert peer.skip_reason is None
+    with http_peers.RunningPeer(peer, ready_timeout=120) as running:
+        status, body = post_json(running.base_url + "/chat/completions", {
+            "model": "bench", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True})  # fmt: skip
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+        proc = running.proc
+    assert proc.poll() is not None  # stopped with the context

@@ -100,7 +100,7 @@ def report_header(specs: list[RequestSpec], request_set: str, chat: bool, thread
         "request_set": request_set, "endpoint": "chat" if chat else "completions", "requests": len(specs),
         "input_tokens_mean": sum(s.prompt_tokens for s in specs) / max(1, len(specs)),
         "output_tokens": specs[0].max_tokens if specs else 0, "seed": seed, "threads": threads,
-        "versions": {p: version(p) for p in ("hf-dsinfer", "torch", "transformers", "llama_cpp_python")},
+        "versions": {p: version(p) for p in ("hf-dsinfer", "torch", "transformers", "llama_cpp_python", "xllamacpp")},
     }  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def run_peers(names: list[str], model: str, gguf: str | None, specs: list[Reques
     sections = []
     for rnd in range(rounds):
         for name in names:
-            peer = peer_command(name, model, gguf, threads, max_model_len)
+            peer = peer_command(name, model, gguf, threads, max_model_len, max(sweep["concurrencies"] or [16]))
             section: dict[str, Any] = {"peer": name, "round": rnd + 1, "command": peer.argv}
             if peer.skip_reason:
                 sections.append({**section, "skipped": peer.skip_reason})

@@ -1,5 +1,6 @@
 """Servers started side by side for the HTTP benchmark: ours (``hf-dsinfer serve``), ``transformers serve`` (plain
-and ``--continuous-batching``) and llama.cpp's OpenAI server (``llama-cpp-python[server]``, on a GGUF file).
+and ``--continuous-batching``) and llama.cpp's OpenAI server on a GGUF file (``llama-cpp-python[server]`` where it is
+installed, else llama.cpp's own server prebuilt in ``xllamacpp``'s wheel: :mod:`.llamacpp_server`).
 
 Each peer runs as a subprocess on a free loopback port with the same CPU thread count (``OMP_NUM_THREADS``, and
 llama.cpp's ``--n_threads``), is waited for until ``GET /v1/models`` answers (bounded), and is stopped (SIGTERM, then
@@ -53,8 +54,9 @@ class Peer:
         return f"http://127.0.0.1:{self.port}/v1"
 
 
-def peer_command(name: str, model: str, gguf: str | None, threads: int, max_model_len: int) -> Peer:
-    """The command line of peer ``name`` (one of :data:`PEER_NAMES`) serving ``model`` (an HF folder)."""
+def peer_command(name: str, model: str, gguf: str | None, threads: int, max_model_len: int, parallel: int = 16) -> Peer:
+    """The command line of peer ``name`` (one of :data:`PEER_NAMES`) serving ``model`` (an HF folder); ``parallel``:
+    the requests llama.cpp's server decodes at once (its slots; our server and transformers' take what comes)."""
     port = free_port()
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     host = ["--host", "127.0.0.1", "--port", str(port)]
@@ -73,13 +75,17 @@ def peer_command(name: str, model: str, gguf: str | None, threads: int, max_mode
             argv += ["--cb-block-size", "256", "--cb-num-blocks", "256"]
         return Peer(name, argv, port, env, model, None if exe else "the `transformers` command is not installed")
     if name == "llamacpp":
-        reason = None
-        if importlib.util.find_spec("llama_cpp") is None:
-            reason = "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]' compiles llama.cpp)"
-        elif not gguf or not os.path.exists(gguf):
-            reason = f"no GGUF file ({gguf!r}); pass --gguf"
-        argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), *host, "--n_threads", str(threads),
-                "--n_ctx", str(max_model_len), "--model_alias", "bench"]  # fmt: skip
+        reason = None if not gguf or os.path.exists(gguf) else f"no GGUF file ({gguf!r}); pass --gguf"
+        reason = reason or (None if gguf else "no GGUF file; pass --gguf")
+        if importlib.util.find_spec("llama_cpp") is not None:  # llama-cpp-python[server]
+            argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), *host, "--n_threads", str(threads),
+                    "--n_ctx", str(max_model_len), "--model_alias", "bench"]  # fmt: skip
+        else:  # llama.cpp's own C++ server, prebuilt in the xllamacpp wheel (.llamacpp_server)
+            if importlib.util.find_spec("xllamacpp") is None:
+                reason = ("neither llama-cpp-python nor xllamacpp is installed (pip install xllamacpp, or "
+                          "pip install -e '.[peers]'; llama-cpp-python[server] compiles llama.cpp)")  # fmt: skip
+            argv = [sys.executable, "-m", "hf_dsinfer.bench.llamacpp_server", "--model", str(gguf), "--port", str(port),
+                    "--threads", str(threads), "--ctx", str(max_model_len), "--parallel", str(parallel)]  # fmt: skip
         return Peer(name, argv, port, env, "bench", reason)
     raise ValueError(f"unknown server peer {name!r}; choose among {', '.join(PEER_NAMES)}")
 
