@@ -96,6 +96,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "transformers' generate_batch, hf_dsinfer padded batches and hf_dsinfer continuous batching "
         "(hf_dsinfer/bench/serving.py; --preset, --repeats, --threads, --out)",
     )
+    p.add_argument("--serve-tp", type=int, metavar="N", help="tensor-parallel serving: continuous batching against "
+                   "padded batches, both on N gloo ranks on this CPU (hf_dsinfer/bench/serving_tp.py; --preset, "
+                   "--repeats rounds, --threads per rank)")  # fmt: skip
     p.add_argument(
         "--lookup",
         action="store_true",
@@ -125,6 +128,9 @@ def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
                    "(with --preset smollm2-real; --prompt-len, --new-tokens, --repeats rounds)")  # fmt: skip
     g.add_argument("--peer-threads", default="1,2", help="--peer: thread counts, each in every round (default 1,2)")
     g.add_argument("--peer-formats", default="fp32,int8,int4", help="--peer: formats (default fp32,int8,int4)")
+    g.add_argument("--prefill", action="store_true", help="forward-only scoring tokens/s (all logits), hf_dsinfer vs "
+                   "HF sdpa alternating (--preset, --prefill-points, --repeats rounds, --threads)")  # fmt: skip
+    g.add_argument("--prefill-points", default="1x512,8x512,1x2048", help="--prefill: BATCHxLENGTH list")
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,12 +207,22 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .llamacpp import llamacpp_main
 
         return llamacpp_main(ns)
+    if getattr(ns, "prefill", False):
+        from .prefill import prefill_main
+
+        return prefill_main(ns)
     if getattr(ns, "speculation", False) or getattr(ns, "lora_mix", False):
         return _engine_feature_bench(ns)
     if getattr(ns, "encoder", False):
         from .encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
+    if getattr(ns, "serve_tp", None):
+        from .serving_tp import main as serving_tp_main
+
+        return serving_tp_main(["--tp", str(ns.serve_tp), "--preset", ns.preset, "--rounds", str(ns.repeats),
+                                "--threads", str(ns.threads or 1),
+                                "--json", os.path.join(ns.out, "bench-serving-tp.json")])  # fmt: skip
     if getattr(ns, "serve", False):
         from .serving import main as serve_bench_main
 
