@@ -134,20 +134,20 @@ def gguf_step_bytes(path: Path) -> int:
 
 
 def ours_step_bytes(model: torch.nn.Module) -> int:
-    """Bytes one of our decode steps reads: parameters and quantized buffers, less the input embedding unless tied.
-
-    Buffers of a quantized linear count once per distinct storage (a packed copy and its source are both counted:
-    an overestimate, said in docs/performance.md, only where a module keeps both).
-    """
+    """Bytes one of our decode steps reads: the float parameters (less the input embedding unless it is the tied
+    head) and, per quantized linear, what its kernel reads: the CPU pack (fbgemm's fp16 matrix: 2 bytes per weight;
+    ``dequant``: int8 values, 1 byte per weight, plus scales and zeros) or, unpacked, the stored buffers. Call it after
+    a warm-up: packs are built on first use."""
     from ..modules.quant_linear import QuantLinear
 
     seen, total = set(), 0
-    tensors = list(model.parameters()) + [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()]
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.cpu_pack_nbytes() or m.quantized_nbytes()
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is not None and (head is None or getattr(head, "weight", None) is not emb.weight):
         total -= emb.weight.numel() * emb.weight.element_size()
@@ -273,7 +273,7 @@ class Contender:
     engine: str  # "llama.cpp", "hf_dsinfer" or "HF eager"
     fmt: str  # fp32 / int8 / int4
     runner: Any
-    step_bytes: int
+    step_bytes: int  # ours: set after the warm-up (packs are built on first use)
     texts: list[str] = field(default_factory=list)
 
 
@@ -309,11 +309,9 @@ def _contenders(folder: str, source: Path | None, formats: list[str], max_len: i
                                  gguf_step_bytes(files[qtype])))  # fmt: skip
         else:
             skipped[f"llama.cpp {qtype}"] = reason
-        ours = Ours(folder, quant, max_len)
-        out.append(Contender(f"hf_dsinfer {fmt}", "hf_dsinfer", fmt, ours, ours_step_bytes(ours.model)))
+        out.append(Contender(f"hf_dsinfer {fmt}", "hf_dsinfer", fmt, Ours(folder, quant, max_len), 0))
     if with_eager:
-        eager = Ours(folder, None, max_len, eager=True)
-        out.append(Contender("HF eager fp32", "HF eager", "fp32", eager, ours_step_bytes(eager.model)))
+        out.append(Contender("HF eager fp32", "HF eager", "fp32", Ours(folder, None, max_len, eager=True), 0))
     return out, skipped
 
 
@@ -341,9 +339,11 @@ def run_llamacpp_bench(prompt_len: int = 64, new_tokens: int = 64, rounds: int =
     bandwidth = {t: round(read_bandwidth_gbs(t), 2) for t in threads}
     runs: list[dict] = []
     try:
-        for c in contenders:  # warm-up (compiles our decode step; pages the GGUF in) at every thread count
+        for c in contenders:  # warm-up (compiles our decode step, packs weights; pages the GGUF in)
             for t in threads:
                 c.runner.run(ids, new_tokens, t)
+            if isinstance(c.runner, Ours):
+                c.step_bytes = ours_step_bytes(c.runner.model)
         for r in range(rounds):
             for t in threads:
                 for c in contenders:
