@@ -368,5 +368,19 @@ def test_serve_clean_shutdown_leaves_no_worker(tmp_path):
     assert workers and all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in workers)
 
 
+def test_bench_serving_tp_runs_both_contenders_with_the_same_tokens(tmp_path):
+    """``hf-dsinfer bench --serve-tp 2``'s module on a few short requests: every run of both contenders is reported
+    with its load average, and continuous batching produced the padded batches' greedy tokens."""
+    from hf_dsinfer.bench.serving_tp import main
+
+    out = tmp_path / "tp.json"
+    summary = main(["--tp", "2", "--requests", "4", "--rounds", "1", "--max-prompt", "24", "--max-new", "16",
+                    "--json", str(out)])  # fmt: skip
+    assert summary["same_tokens"] is True
+    assert sorted(r["contender"] for r in summary["runs"]) == ["cb", "padded"]
+    assert all(r["tokens"] > 0 and r["seconds"] > 0 and "load_1min" in r for r in summary["runs"])
+    assert json.loads(out.read_text())["cb_over_padded"] > 0
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
     worker(sys.argv[2])

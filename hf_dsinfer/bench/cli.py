@@ -99,6 +99,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-tp", type=int, metavar="N", help="tensor-parallel serving: continuous batching against "
                    "padded batches, both on N gloo ranks on this CPU (hf_dsinfer/bench/serving_tp.py; --preset, "
                    "--repeats rounds, --threads per rank)")  # fmt: skip
+    p.add_argument("--serve-tp", type=int, metavar="N", help="tensor-parallel serving: continuous batching against "
+                   "padded batches, both on N gloo ranks on this CPU (hf_dsinfer/bench/serving_tp.py; --preset, "
+                   "--repeats rounds, --threads per rank)")  # fmt: skip
     p.add_argument(
         "--lookup",
         action="store_true",
@@ -217,6 +220,12 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
+    if getattr(ns, "serve_tp", None):
+        from .serving_tp import main as serving_tp_main
+
+        return serving_tp_main(["--tp", str(ns.serve_tp), "--preset", ns.preset, "--rounds", str(ns.repeats),
+                                "--threads", str(ns.threads or 1),
+                                "--json", os.path.join(ns.out, "bench-serving-tp.json")])  # fmt: skip
     if getattr(ns, "serve_tp", None):
         from .serving_tp import main as serving_tp_main
 
