@@ -119,7 +119,8 @@ def _add_engine_feature_arguments(p: argparse.ArgumentParser) -> None:
                    "serving engine, copy-heavy / chat / sampled copy requests, real SmolLM2 (--repeats rounds, "
                    "--new-tokens, --threads)")  # fmt: skip
     g.add_argument("--lora-mix", action="store_true", help="4 LoRA adapters + base, 64 requests, in one engine "
-                   "against one merged model per adapter in turn, real SmolLM2 (--new-tokens, --threads)")  # fmt: skip
+                   "against one merged model per adapter in turn, real SmolLM2 (--repeats rounds, --new-tokens, "
+                   "--threads)")  # fmt: skip
     _add_peer_arguments(p)
 
 
@@ -191,7 +192,7 @@ def _engine_feature_bench(ns: argparse.Namespace) -> dict:
     if ns.lora_mix:
         from .lora import main as lora_main
 
-        report["lora_mix"] = lora_main(["--new-tokens", str(ns.new_tokens),
+        report["lora_mix"] = lora_main(["--new-tokens", str(ns.new_tokens), "--rounds", str(ns.repeats),
                                         "--json", os.path.join(ns.out, "bench-lora-mix.json")])
     return report
 

@@ -1,6 +1,7 @@
 """Mixed LoRA adapters in one engine against one merged model per adapter run in turn (issue 33, point 4).
 
-``python -m hf_dsinfer.bench.lora --model smollm2 --adapters 4 --requests 64 --new-tokens 32 [--json out.json]``
+``python -m hf_dsinfer.bench.lora --model smollm2 --adapters 4 --requests 64 --new-tokens 32 [--rounds N]
+[--json out.json]`` (also ``hf-dsinfer bench --lora-mix``, ``--repeats`` rounds)
 
 Both contenders serve the same requests (spread round-robin over the adapters and the base, random prompts, greedy,
 no EOS stop):
@@ -10,6 +11,7 @@ no EOS stop):
 * ``merged``: for each adapter (and the base) a model with that adapter merged into its weights (peft's
   ``merge_and_unload``), loaded with the same inference config, serving only that adapter's requests; the adapters
   run one after another. Loading and merging are timed apart (``load_s``): a server switching models pays them too.
+With ``--rounds N`` both run N times, alternating which goes first; every round is reported.
 
 The adapters are random peft LoRAs (ranks 8, 16, 32, 64 in turn, on q/k/v/o/gate/up/down, non-zero B) unless
 ``--adapter-dirs`` names real ones. The report also counts requests whose greedy tokens agree between the two (merging
@@ -61,12 +63,10 @@ def _serve(engine: Any, work: list[tuple[list[int], str | None]], new_tokens: in
 
 
 def run(base: str, adapters: dict[str, str], inference_config: dict, requests: int, prompt_len: int,
-        new_tokens: int, seed: int = 0) -> dict:  # fmt: skip
-    """Both contenders on the same requests; returns the report (per-contender seconds, tokens/s, agreement)."""
-    from peft import PeftModel
+        new_tokens: int, seed: int = 0, rounds: int = 1) -> dict:  # fmt: skip
+    """Both contenders on the same requests, ``rounds`` times, alternating which goes first; returns the report
+    (every round's seconds and tokens/s per contender, the speed-up, greedy agreement)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from hf_dsinfer.serving import ServingEngine
 
     g = torch.Generator().manual_seed(seed)
     names: list[str | None] = [*adapters, None]
@@ -74,16 +74,62 @@ def run(base: str, adapters: dict[str, str], inference_config: dict, requests: i
     work = [(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), names[i % len(names)])
             for i in range(requests)]  # fmt: skip
     greedy = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
-    max_rank = max(json.load(open(os.path.join(d, "adapter_config.json")))["r"] for d in adapters.values())
+    tokens = requests * new_tokens
+    rows = []
+    for r in range(rounds):
+        row: dict[str, Any] = {"round": r, "loadavg": _loadavg()}
+        outs = {}
+        for contender in (("mixed", "merged_in_turn") if r % 2 == 0 else ("merged_in_turn", "mixed")):
+            if contender == "mixed":
+                secs, outs[contender] = _mixed(base, adapters, inference_config, work, names, greedy, new_tokens)
+                row["mixed"] = {"seconds": secs, "tokens_per_s": tokens / secs}
+            else:
+                secs, load_s, outs[contender] = _merged(base, adapters, inference_config, work, names, greedy,
+                                                        new_tokens)  # fmt: skip
+                row["merged_in_turn"] = {"seconds": secs, "tokens_per_s": tokens / secs, "load_and_merge_s": load_s}
+        row["speedup"] = row["merged_in_turn"]["seconds"] / row["mixed"]["seconds"]
+        row["greedy_agreement"] = sum(a == b for a, b in zip(outs["mixed"], outs["merged_in_turn"])) / len(work)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return {
+        "settings": {
+            "model": base,
+            "adapters": adapters,
+            "requests": requests,
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "threads": torch.get_num_threads(),
+            "rounds": rounds,
+        },
+        "rounds": rows,
+    }
 
+
+def _mixed(base, adapters, inference_config, work, names, greedy, new_tokens) -> tuple[float, list[list[int]]]:
+    """One engine with every adapter loaded serving all requests at once: (seconds, tokens per request)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.serving import ServingEngine
+
+    max_rank = max(json.load(open(os.path.join(d, "adapter_config.json")))["r"] for d in adapters.values())
     model = AutoModelForCausalLM.from_pretrained(base, inference_config=inference_config)
     engine = ServingEngine(model, enable_lora=True, max_loras=len(adapters), max_lora_rank=max_rank,
                            generation_config=greedy)  # fmt: skip
     for name, d in adapters.items():
         engine.load_lora_adapter(name, d)
-    _serve(engine, work[: len(names)], 2)  # warm-up: one request per adapter
-    mixed_s, mixed_out = _serve(engine, work, new_tokens)
-    del engine, model
+    first = {a: p for p, a in reversed(work)}  # one request per adapter (and the base)
+    _serve(engine, [(first[a], a) for a in names], 2)  # warm-up
+    return _serve(engine, work, new_tokens)
+
+
+def _merged(base, adapters, inference_config, work, names, greedy, new_tokens
+            ) -> tuple[float, float, list[list[int]]]:  # fmt: skip
+    """For each adapter (and the base) in turn, a model with it merged serving its requests: (serving seconds,
+    loading and merging seconds, tokens per request)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.serving import ServingEngine
 
     merged_s, load_s, merged_out = 0.0, 0.0, [None] * len(work)
     for name in names:
@@ -104,22 +150,7 @@ def run(base: str, adapters: dict[str, str], inference_config: dict, requests: i
         for i, toks in zip(mine, out):
             merged_out[i] = toks
         del engine, model
-    tokens = requests * new_tokens
-    return {
-        "settings": {
-            "model": base,
-            "adapters": adapters,
-            "requests": requests,
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "threads": torch.get_num_threads(),
-            "loadavg": _loadavg(),
-        },
-        "mixed": {"seconds": mixed_s, "tokens_per_s": tokens / mixed_s},
-        "merged_in_turn": {"seconds": merged_s, "tokens_per_s": tokens / merged_s, "load_and_merge_s": load_s},
-        "speedup": merged_s / mixed_s,
-        "greedy_agreement": sum(a == b for a, b in zip(mixed_out, merged_out)) / len(work),
-    }
+    return merged_s, load_s, merged_out
 
 
 def _loadavg() -> str | None:
@@ -139,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--rounds", type=int, default=1, help="runs of both contenders, alternating which goes first")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     from hf_dsinfer.real_model import resolve_model_name
@@ -150,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             adapters = {os.path.basename(os.path.normpath(d)): d for d in args.adapter_dirs}
         else:
             adapters = make_random_adapters(base, tmp, args.adapters)
-        report = run(base, adapters, config, args.requests, args.prompt_len, args.new_tokens)
+        report = run(base, adapters, config, args.requests, args.prompt_len, args.new_tokens, rounds=args.rounds)
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:
