@@ -26,7 +26,9 @@ few ints; the tensors can be registered as non-persistent buffers and the object
   weight columns then add nothing) and ``N`` with zero rows sliced off the output.
 * ``dequant``: every spec. int8 values ``[N, K_pad]`` (int4 unpacked at pack time: one byte per weight, still a
   quarter of fp32), ``K`` padded to whole groups; each call dequantizes with one broadcast multiply per group
-  (``(q - z) * s`` in fp32, the reference's values) and runs one ``F.linear``.
+  (``(q - z) * s`` in fp32, the reference's values) and runs one ``F.linear``. Inside a compiled graph, at up to
+  :data:`FUSED_DEQUANT_MAX_ROWS` rows (decoding), it is instead one reduction over ``x * ((q - z) * s)`` that
+  inductor fuses into a single loop: the int8 values are read once and no fp32 weight is written per call.
 
 Exactness: the ops take their scales in the activation dtype and return that dtype, so with
 ``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
