@@ -128,6 +128,13 @@ def bloom_cases(path: str, rank: int, tp_size: int) -> dict:
     return {"greedy": _tokens(model.generate_batch(batch, generation_config=greedy(), continuous_batching_config=cb))}
 
 
+def four_rank_cases(path: str, rank: int, tp_size: int) -> dict:
+    """4 ranks (llama's 6 q heads over 2 KV heads: 2 / 1 q heads a rank, each KV head on 2 ranks): generate_batch."""
+    cfg = dict(FUSED, tensor_parallel={"tp_size": tp_size}) if tp_size > 1 else FUSED
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=cfg)
+    return {"batch": {"greedy": batch_cases(model, rank)["greedy"]}}
+
+
 def worker(job_path: str) -> None:
     """One rank: every case, saved to ``rank{RANK}.pt`` next to the job file."""
     import json
@@ -136,11 +143,12 @@ def worker(job_path: str) -> None:
 
     with open(job_path) as f:
         job = json.load(f)
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out: dict = {}
-    for name, fn in (("llama", run_cases), ("bloom", bloom_cases)):
+    cases = (("llama", run_cases), ("bloom", bloom_cases)) if world == WORLD else (("llama", four_rank_cases),)
+    for name, fn in cases:
         try:
-            out[name] = fn(job[name], rank, WORLD)
+            out[name] = fn(job[name], rank, world)
         except Exception:  # noqa: BLE001 - reported by the test
             out[name] = {"error": traceback.format_exc()}
     torch.save(out, os.path.join(os.path.dirname(job_path), f"rank{rank}.pt"))
@@ -202,6 +210,17 @@ def test_bloom_alibi_tp2_equals_tp1(run):
     got, ref = run
     for rank in range(WORLD):
         assert _ok(got[rank]["bloom"])["greedy"] == ref[rank]["bloom"]["greedy"], f"rank {rank}: bloom differs"
+
+
+@pytest.mark.slow
+def test_generate_batch_on_4_ranks_with_uneven_heads_equals_tp1(run, tmp_path):
+    """4 gloo ranks: uneven local q heads (2 / 1) and each KV head held by 2 ranks; every rank's tokens equal tp=1."""
+    got, ref = run
+    path = save_tiny("llama", tmp_path / "llama")  # the same seed, the same weights as the 2-rank run's folder
+    four = launch({"llama": path}, str(tmp_path), world=4, timeout=TIMEOUT_S, script=__file__)
+    for rank in range(4):
+        mine = _ok(four[rank]["llama"])["batch"]["greedy"]
+        assert mine == ref[0]["llama"]["batch"]["greedy"], f"rank {rank}: 4-rank tokens differ from tp=1"
 
 
 def test_engine_refusals_without_a_second_process(tmp_path):

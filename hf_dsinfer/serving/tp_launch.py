@@ -9,8 +9,9 @@ rank runs the same ``hf-dsinfer serve`` command, rank 0 serves HTTP and the othe
 (docs/tensor_parallel.md).
 
 Lifetime: the server watches its workers (a worker that exits makes the engine fail: ``/health`` answers 503); on
-shutdown it stops the engine, sends the workers' stop message, waits for them and terminates any left. A spawned
-worker ignores Ctrl-C (the server stops it) and exits by itself when the server process is gone.
+shutdown it stops the engine, sends the workers' stop message, waits for them and terminates any left. A worker
+ignores SIGINT / SIGTERM (rank 0 stops it once drained); a spawned one exits by itself when the server process is
+gone, and ``SIGKILL`` always works.
 """
 
 from __future__ import annotations
@@ -116,32 +117,34 @@ class TPWorkers:
 
     def close(self, engine: Any = None, timeout: float = 30.0) -> None:
         """Stop the workers: the stop message through ``engine`` (when every worker still runs), then wait up to
-        ``timeout`` seconds for them to exit, then terminate (and at last kill) what is left."""
+        ``timeout`` seconds for them to exit, then kill what is left (at once when the group has failed)."""
         self._closing = True
-        if engine is not None and not self.dead() and engine.fatal_error is None:
+        stopped = engine is not None and not self.dead() and engine.fatal_error is None
+        if stopped:
             sender = threading.Thread(target=engine.stop_workers, daemon=True, name="hf_dsinfer-tp-stop")
             sender.start()
             sender.join(timeout)  # a broadcast to a wedged rank must not keep the server from exiting
-        deadline = time.monotonic() + timeout
+        # without the stop message (a failed group) the workers would wait for the next step: terminate them now
+        deadline = time.monotonic() + (timeout if stopped else 0.0)
         for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs:
-            if proc.poll() is None:
-                logger.warning("hf_dsinfer serve: worker pid %d did not stop; terminating it", proc.pid)
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            if proc.poll() is None:  # workers ignore SIGTERM (see serve_worker): SIGKILL
+                logger.warning("hf_dsinfer serve: worker pid %d did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.wait(10)
 
 
 def serve_worker(path: str, config: dict, threads: int | None = None) -> None:
     """A worker rank of a tensor-parallel server: join the process group, load ``path`` with the inference ``config``
-    (this rank's slices only), run the steps rank 0 sends until it stops the workers, leave the group."""
+    (this rank's slices only), run the steps rank 0 sends until it stops the workers, leave the group.
+
+    SIGINT and SIGTERM are ignored: a launcher (torchrun, a terminal's Ctrl-C) signals every rank at once, and a
+    worker must keep following rank 0's steps while rank 0 drains, until rank 0's stop message (or a launcher's
+    SIGKILL, or the server's own exit for a spawned worker)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -149,6 +152,8 @@ def serve_worker(path: str, config: dict, threads: int | None = None) -> None:
     from ..parallel.groups import init_distributed
     from .tp_worker import run_worker
 
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     apply_threads(threads)
     init_distributed(timeout=SERVE_TIMEOUT)
     try:
@@ -172,7 +177,6 @@ def _exit_with_parent(parent: int) -> None:
 
 def main(argv: list[str]) -> None:
     """``python -m hf_dsinfer.serving.tp_launch PATH CONFIG_JSON [THREADS]`` (started by :meth:`TPWorkers.spawn`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
     parent = os.environ.get("HF_DSINFER_TP_PARENT")
     if parent is not None:
         _exit_with_parent(int(parent))
