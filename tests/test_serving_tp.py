@@ -401,5 +401,42 @@ def test_bench_serving_tp_runs_both_contenders_with_the_same_tokens(tmp_path):
     assert json.loads(out.read_text())["cb_over_padded"] > 0
 
 
+def test_serve_under_torchrun_rank0_serves_and_rank1_works(tmp_path):
+    """Both ranks run the same ``serve -tp 2`` command with torchrun's variables (what torchrun, also across machines,
+    does): rank 0 answers, rank 1 follows; SIGTERM to both (as torchrun forwards it) ends both with status 0."""
+    pytest.importorskip("fastapi")
+    path = save_tiny("llama", tmp_path / "tiny-llama")
+    port, master = free_port(), free_port()
+    root = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hf_dsinfer", "serve", path, "-tp", "2", "--port", str(port), "--inference-config",
+           '{"dtype": "fp32"}', "--max-model-len", "64"]  # fmt: skip
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(master)}  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    try:
+        deadline = time.monotonic() + 240
+        while _health(root) != 200:
+            assert all(p.poll() is None for p in procs), procs[0].stdout.read() + procs[1].stdout.read()
+            assert time.monotonic() < deadline, "the torchrun-style server did not come up"
+            time.sleep(0.5)
+        assert _children(procs[0].pid) == [], "under torchrun the server starts no worker of its own"
+        body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
+        req = urllib.request.Request(root + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 4
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+        assert "tensor-parallel worker" in procs[1].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
     worker(sys.argv[2])

@@ -158,6 +158,8 @@ def serve_worker(path: str, config: dict, threads: int | None = None) -> None:
     init_distributed(timeout=SERVE_TIMEOUT)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, inference_config=config)
+        logger.warning("hf_dsinfer serve: rank %d of %d is a tensor-parallel worker of %s (rank 0 serves HTTP)",
+                       dist.get_rank(), dist.get_world_size(), path)  # fmt: skip
         run_worker(model)
     finally:
         dist.destroy_process_group()
