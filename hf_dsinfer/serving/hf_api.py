@@ -210,6 +210,10 @@ def generate_batch(
     ``num_return_sequences`` before their parent. ``progress_bar``, ``persistent_manager`` and ``warmup`` have no
     effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway). ``tokenizer=``:
     as ``generate(tokenizer=...)``, needed for ``stop_strings``.
+
+    Tensor-parallel model: call it on every rank, as ``generate``; rank 0 schedules and samples with its settings,
+    every rank runs its shard, and every rank gets the results of the prompts it passed
+    (:func:`~.tp_worker.tp_generate_batch`).
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     tokenizer = kwargs.pop("tokenizer", None)
