@@ -81,8 +81,10 @@ def engine_cases(model, rank: int) -> dict:
 
     if rank != 0:
         run_worker(model)  # the sampling engine
-        run_worker(model)  # the speculating one
-        return {}
+        big = run_worker(model)  # the speculating one, stopped with a payload larger than the channel's buffer
+        run_worker(model)  # one more engine after that
+        buffer = model._dsinfer_step_channel.buffer.numel()
+        return {"big": big == list(range(20000)), "buffer": buffer}
     out: dict = {}
     batch = prompts((9, 14, 5, 11), seed=30)
     # 12 blocks of 4: four requests of up to 26 tokens cannot all hold their blocks -> preemptions
@@ -105,9 +107,15 @@ def engine_cases(model, rank: int) -> dict:
     pattern = prompts((6,), seed=31)[0]
     handle = spec.submit(pattern * 3, greedy(12))
     spec.run_until_idle()
-    spec.stop_workers()
+    spec.stop_workers(list(range(20000)) if channel is not None else None)  # a one-off larger buffer (GROW)
     out["spec"] = handle.tokens
     out["spec_stats"] = spec.stats.as_dict()
+    last = ServingEngine(model, block_size=4, num_blocks=32)  # the channel still in step after the one-off buffer
+    again = last.submit(batch[0], greedy(4))
+    last.run_until_idle()
+    last.stop_workers()
+    out["after_grow"] = again.tokens
+    out["buffer"] = None if channel is None else channel.buffer.numel()
     return out
 
 
@@ -204,6 +212,9 @@ def test_engine_tp2_sampling_logprobs_preemption_speculation_equal_tp1(run):
     assert mine["messages"] == mine["stats"]["steps"] + 2
     assert mine["spec"] == theirs["spec"]
     assert mine["spec_stats"]["spec_decode_num_accepted_tokens"] > 0
+    # a stop payload larger than the buffer used a one-off larger buffer; both sides went back to the standing one
+    assert got[1]["llama"]["engine"] == {"big": True, "buffer": mine["buffer"]} and mine["buffer"] == 1 << 12
+    assert mine["after_grow"] == theirs["after_grow"]
 
 
 def test_bloom_alibi_tp2_equals_tp1(run):

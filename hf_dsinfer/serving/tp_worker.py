@@ -74,13 +74,18 @@ class StepChannel:
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
 
-    def _send(self, kind: int, payload: torch.Tensor) -> None:
+    def _send(self, kind: int, payload: torch.Tensor, keep: bool = True) -> None:
+        """One message; a longer one than the buffer first announces a larger buffer (``keep``: for the messages
+        after it too; else for this one only, e.g. a stop carrying ``generate_batch``'s outputs)."""
         n = int(payload.numel())
+        standing = self.buffer
         if n + 2 > self.buffer.numel():
             size = 1 << (n + 2 - 1).bit_length()
-            self._broadcast(torch.tensor([GROW, 1, size], dtype=torch.long))
+            self._broadcast(torch.tensor([GROW, 2, size, int(keep)], dtype=torch.long))
             self.buffer = torch.zeros(size, dtype=torch.long, device=self.device)
         self._broadcast(torch.cat([torch.tensor([kind, n], dtype=torch.long), payload.to(torch.long)]))
+        if not keep:
+            self.buffer = standing
 
     def _broadcast(self, message: torch.Tensor) -> None:
         self.buffer[: message.numel()].copy_(message)
@@ -112,20 +117,25 @@ class StepChannel:
         data = pickle.dumps(result)
         padded = data + b"\0" * (-len(data) % 8)
         words = torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.empty(0, dtype=torch.long)
-        self._send(STOP, torch.cat([torch.tensor([len(data)]), words]))
+        self._send(STOP, torch.cat([torch.tensor([len(data)]), words]), keep=False)
         self.attached = None
 
     # -- the other ranks ---------------------------------------------------------------------------------------------
 
     def receive(self) -> tuple[int, Any]:
         """The next message: ``(SETUP, (num_blocks, block_size))``, ``(STEP, StepInputs)`` or ``(STOP, result)``."""
+        standing = None  # the buffer to go back to after a one-off larger message
         while True:
             dist.broadcast(self.buffer, src=self.tp.first_global_rank, group=self.tp.group)
             self.messages += 1
             kind, n = self.buffer[:2].tolist()
             payload = self.buffer[2 : 2 + n].cpu()
+            if standing is not None:
+                self.buffer, standing = standing, None
             if kind == GROW:
-                self.buffer = torch.zeros(int(payload[0]), dtype=torch.long, device=self.device)
+                size, keep = payload.tolist()
+                standing = None if keep else self.buffer
+                self.buffer = torch.zeros(size, dtype=torch.long, device=self.device)
                 continue
             if kind == NOOP:
                 continue
@@ -133,7 +143,7 @@ class StepChannel:
                 return kind, tuple(payload.tolist())
             if kind == STEP:
                 return kind, decode_step(payload)
-            if kind == STOP:
+            if kind == STOP:  # pickled by rank 0 of our own process group (torch's broadcast_object_list does the same)
                 size = int(payload[0])
                 return kind, pickle.loads(payload[1:].numpy().tobytes()[:size])
             raise RuntimeError(f"tensor-parallel worker: unknown message kind {kind} from rank 0 (internal error)")
