@@ -304,9 +304,9 @@ def add_serve_arguments(parser: Any) -> None:
     add("--default-max-tokens", type=int, default=256, help="new tokens of chat completions without max_tokens")
     add("--threads", type=int, help="torch CPU threads for the process (default: torch's, one per core; with "
         "--tensor-parallel-size N on a CPU, the cores divided by N, for each rank)")  # fmt: skip
-    add("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N processes (tensor "
-        "parallelism; gloo on CPU, NCCL on GPU, one GPU a rank): the server starts the N - 1 workers itself, or "
-        "under torchrun rank 0 serves and the others work (docs/tensor_parallel.md)")  # fmt: skip
+    add("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N", help="split the model over N processes "
+        "(tensor parallelism; gloo on CPU, NCCL on GPU, one GPU a rank): the server starts the N - 1 workers itself, "
+        "or under torchrun rank 0 serves and the others work (docs/tensor_parallel.md)")  # fmt: skip
     add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="how tool calls are read from the model's text "
         "(default: hermes when the chat template knows <tool_call>, else json)")  # fmt: skip
     add("--disable-log-requests", action="store_true", help="no access-log line per request (default: one line "
