@@ -67,3 +67,20 @@ def test_peer_present_same_greedy_text_and_bytes_on_smollm2():
     assert report["same_text"] == {"fp32": True}
     llama, ours = report["runs"]
     assert llama["step_mb"] == pytest.approx(ours["step_mb"], rel=0.01)
+
+
+def test_profile_decode_lists_the_gemms(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.bench.decode import profile_decode
+    from hf_dsinfer.integration.engine import init_inference
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("llama", tmp_path / "tiny"), dtype=torch.float32)
+    model = init_inference(model, dtype="fp32", replace_with_kernel_inject=True, keep_module_on_host=True,
+                           cpu_compile=False, max_out_tokens=32).module  # fmt: skip
+    res = profile_decode(model, torch.tensor([[5, 6, 7, 8]]), new_tokens=4, top=40)
+    assert res["ms_per_step"] > 0 and res["profiled_ms_per_step"] > 0
+    ops = {o["op"]: o for o in res["ops"]}
+    mm = [o for name, o in ops.items() if name in ("aten::mm", "aten::addmm", "aten::linear")]
+    assert mm and all(o["calls"] >= 1 for o in mm)  # per decode step: the layers' GEMMs at least once each
+    assert sorted((o["self_ms"] for o in res["ops"]), reverse=True) == [o["self_ms"] for o in res["ops"]]

@@ -99,9 +99,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-tp", type=int, metavar="N", help="tensor-parallel serving: continuous batching against "
                    "padded batches, both on N gloo ranks on this CPU (hf_dsinfer/bench/serving_tp.py; --preset, "
                    "--repeats rounds, --threads per rank)")  # fmt: skip
-    p.add_argument("--serve-tp", type=int, metavar="N", help="tensor-parallel serving: continuous batching against "
-                   "padded batches, both on N gloo ranks on this CPU (hf_dsinfer/bench/serving_tp.py; --preset, "
-                   "--repeats rounds, --threads per rank)")  # fmt: skip
     p.add_argument(
         "--lookup",
         action="store_true",
@@ -135,6 +132,8 @@ def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill", action="store_true", help="forward-only scoring tokens/s (all logits), hf_dsinfer vs "
                    "HF sdpa alternating (--preset, --prefill-points, --repeats rounds, --threads)")  # fmt: skip
     g.add_argument("--prefill-points", default="1x512,8x512,1x2048", help="--prefill: BATCHxLENGTH list")
+    g.add_argument("--profile-step", action="store_true", help="per-op torch.profiler table of one decode step of "
+                   "SmolLM2 in fp32/int8/int4, eager and compiled (--preset smollm2-real, --threads, --new-tokens)")
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,18 +214,16 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .prefill import prefill_main
 
         return prefill_main(ns)
+    if getattr(ns, "profile_step", False):
+        from .decode import profile_main
+
+        return profile_main(ns)
     if getattr(ns, "speculation", False) or getattr(ns, "lora_mix", False):
         return _engine_feature_bench(ns)
     if getattr(ns, "encoder", False):
         from .encoder import encoder_bench_main
 
         return encoder_bench_main(ns)
-    if getattr(ns, "serve_tp", None):
-        from .serving_tp import main as serving_tp_main
-
-        return serving_tp_main(["--tp", str(ns.serve_tp), "--preset", ns.preset, "--rounds", str(ns.repeats),
-                                "--threads", str(ns.threads or 1),
-                                "--json", os.path.join(ns.out, "bench-serving-tp.json")])  # fmt: skip
     if getattr(ns, "serve_tp", None):
         from .serving_tp import main as serving_tp_main
 

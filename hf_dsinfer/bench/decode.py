@@ -366,3 +366,68 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+# -- where a decode step's time goes ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def profile_decode(model: nn.Module, ids: torch.Tensor, new_tokens: int = 16, top: int = 12) -> dict:
+    """Per-op profile of greedy decoding: ``generate`` of ``new_tokens`` tokens (EOS masked) under torch.profiler,
+    after an unprofiled warm-up and an unprofiled timing (prefill = a one-token ``generate``, decode = the rest).
+
+    Returns ``ms_per_step`` (unprofiled) and the ``top`` ops by self CPU time, each with calls and self ms per decode
+    step (the whole run's figures over ``new_tokens``: the prompt's own ops are included once, so keep it short).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    full = functools.partial(model.generate, **kw, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    full()
+    first = _timed(ids.device, functools.partial(model.generate, **kw, max_new_tokens=1))
+    total = _timed(ids.device, full)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        full()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    all_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / new_tokens
+    ops = [dict(op=e.key, calls=round(e.count / new_tokens, 1), self_ms=round(e.self_cpu_time_total / 1e3 / new_tokens,
+                                                                              3)) for e in events[:top]]  # fmt: skip
+    return dict(ms_per_step=round((total - first) / (new_tokens - 1), 2), profiled_ms_per_step=round(all_ms, 2),
+                ops=ops)  # fmt: skip
+
+
+def profile_main(ns) -> dict:
+    """``bench --profile-step``: :func:`profile_decode` of SmolLM2 (``--preset smollm2-real``) in fp32, int8 and
+    int4 (groups of 32, float zero), eager and compiled step, at ``--threads`` (default 1); writes
+    ``profile-step.json`` / ``.md``."""
+    import os as _os
+
+    from ..integration.engine import init_inference
+    from .llamacpp import FORMATS
+    from .report import write_report
+
+    if ns.preset not in REAL_PRESETS:
+        raise SystemExit("--profile-step profiles the trained weights: add --preset smollm2-real")
+    torch.set_num_threads(ns.threads or 1)
+    config = preset_config(ns.preset)
+    ids = torch.randint(3, config.vocab_size, (1, ns.prompt_len), generator=torch.Generator().manual_seed(0))
+    out, lines = {}, []
+    for fmt, (_, quant) in FORMATS.items():
+        for compiled in (False, True):
+            model = preset_model(ns.preset, config, torch.device("cpu"), torch.float32)
+            model = init_inference(model, quant=quant, dtype="fp32", replace_with_kernel_inject=True, max_batch_size=1,
+                                   max_out_tokens=ns.prompt_len + ns.new_tokens, keep_module_on_host=True,
+                                   cpu_compile=compiled).module  # fmt: skip
+            name = f"{fmt} {'compiled' if compiled else 'eager'}"
+            res = profile_decode(model, ids, ns.new_tokens)
+            res["load"] = round(_os.getloadavg()[0], 2)
+            out[name] = res
+            lines += [f"**{name}**: {res['ms_per_step']} ms per decode step unprofiled, "
+                      f"{res['profiled_ms_per_step']} ms profiled (load {res['load']})", "",
+                      "| op | calls / step | self ms / step |", "|---|---:|---:|"]  # fmt: skip
+            lines += [f"| `{o['op'][:80]}` | {o['calls']} | {o['self_ms']:.2f} |" for o in res["ops"]] + [""]
+            del model
+    report = dict(mode="profile-step", preset=ns.preset, threads=torch.get_num_threads(), prompt_len=ns.prompt_len,
+                  new_tokens=ns.new_tokens, versions={"torch": torch.__version__}, profiles=out)  # fmt: skip
+    write_report(report, "\n".join(lines) + "\n", ns.out, "profile-step")
+    return report
