@@ -30,11 +30,12 @@ def reward_by_index(completions, **_):
     return [float(i % 2) for i in range(len(completions))]
 
 
-def _train(trainer_name: str, tmp_path, callback=None, lr: float = 0.05, **extra):
-    """Run a few steps; returns (completions per step, logged losses, saved weights)."""
+def _train(trainer_name: str, tmp_path, callback=None, lr: float = 0.05, peft_config=None, **extra):
+    """Run a few steps; returns (completions per step, logged losses, saved weights: the adapter with
+    ``peft_config``)."""
     config_cls = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[trainer_name]
     trainer_cls = {"grpo": trl.GRPOTrainer, "rloo": trl.RLOOTrainer}[trainer_name]
-    out = tmp_path / f"{trainer_name}-{'engine' if callback else 'plain'}-{lr}"
+    out = tmp_path / f"{trainer_name}-{'engine' if callback else 'plain'}-{lr}-{'lora' if peft_config else 'full'}"
     args = config_cls(
         output_dir=str(out), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
         max_steps=STEPS, learning_rate=lr, logging_steps=1, report_to=[], save_strategy="no", seed=0,
@@ -42,10 +43,11 @@ def _train(trainer_name: str, tmp_path, callback=None, lr: float = 0.05, **extra
         beta=0.0,  # no KL term: no reference model to load from the hub
         **extra,
     )  # fmt: skip
+    torch.manual_seed(0)  # peft's lora_A initialization draws from torch's global RNG
     trainer = trainer_cls(
         model=build_tiny("llama", seed=0), reward_funcs=reward_by_index, args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=make_tokenizer(),
-        callbacks=[callback] if callback else None,
+        callbacks=[callback] if callback else None, peft_config=peft_config,
     )  # fmt: skip
     completions = []
     generate_rollouts = trainer._generate_single_turn
@@ -61,7 +63,8 @@ def _train(trainer_name: str, tmp_path, callback=None, lr: float = 0.05, **extra
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     from safetensors.torch import load_file
 
-    return completions, losses, load_file(str(out / "final" / "model.safetensors"))
+    saved = "adapter_model.safetensors" if peft_config is not None else "model.safetensors"
+    return completions, losses, load_file(str(out / "final" / saved))
 
 
 def _same(a, b) -> bool:
@@ -80,6 +83,26 @@ def test_trl_with_callback_equals_plain_trl(trainer_name, tmp_path):
     assert stats.summary()["iterations"] >= STEPS - 1 and sum(it.generate_calls for it in stats.iterations) == STEPS
     assert last_generate_stats(callback.engine.module).path == "fast", "rollouts should run hf_dsinfer's fast loop"
     frozen = _train(trainer_name, tmp_path, lr=0.0)  # control: the rollouts depend on the updates
+    assert frozen[0] != plain[0]
+
+
+def test_trl_grpo_lora_with_shared_base_equals_plain_trl(tmp_path):
+    """GRPO with peft LoRA on every linear layer (TRL's ``peft_config``): the engine shares the frozen base with the
+    training model (LoRA as a side path) and the completions, losses and saved adapter equal plain TRL's."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+
+    plain = _train("grpo", tmp_path, peft_config=lora(), lr=0.2)
+    callback = HybridEngineCallback(inference_config={"max_out_tokens": 64})
+    with_engine = _train("grpo", tmp_path, callback=callback, peft_config=lora(), lr=0.2)
+    engine = callback.engine
+    assert engine._shared is not None and engine.memory()["shared_with_training"] > 0, "the frozen base is shared"
+    assert len(plain[0]) == STEPS and any("lora_B" in k for k in plain[2])
+    assert _same(plain, with_engine), "completions, losses and saved adapter must equal plain TRL's"
+    assert last_generate_stats(engine.module).path == "fast", "rollouts should run hf_dsinfer's fast loop"
+    frozen = _train("grpo", tmp_path, peft_config=lora(), lr=0.0)  # control: the rollouts depend on the updates
     assert frozen[0] != plain[0]
 
 
@@ -111,7 +134,6 @@ def test_generate_batch_matches_generate_per_prompt():
     assert all(len(r.generated_tokens) == 6 for r in results.values())
 
 
-
 def test_generate_batch_stop_strings_with_tokenizer():
     """``tokenizer=`` reaches the paged engine through the Hybrid Engine, so ``stop_strings`` is honoured as HF's
     ``generate(tokenizer=...)`` honours it (it needs the tokenizer to read tokens as text)."""
@@ -134,6 +156,7 @@ def test_generate_batch_stop_strings_with_tokenizer():
     assert len(want) < len(free)
     got = he.generate_batch([prompt], generation_config=config, tokenizer=tok)["req_0"]
     assert got.error is None and got.generated_tokens == want
+
 
 def test_trl_generation_config_is_honoured():
     """GRPO's GenerationConfig (all of TRL's knobs) runs the fast loop without a fallback; with sampling="hf" the
