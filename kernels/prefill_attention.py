@@ -154,7 +154,47 @@ def prefill_attention_torch(
     positions = cache_lens.long()[:, None] + t[None, :] - start.long()[:, None]  # [B, T]
     valid = t[None, :] >= start.long()[:, None]
     check_alibi_slopes(alibi_slopes, q.shape[2], q.device)
+    if softcap is None and alibi_slopes is None and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        # fp32 only, as decode_attention_torch: half-precision SDPA on CPU rounds between its blocks
+        return _prefill_sdpa(q, k_cache, v_cache, positions, valid, scale, sliding_window)
     return masked_attention_torch(q, k_cache, v_cache, positions, valid, scale, sliding_window, softcap, alibi_slopes)
+
+
+def _prefill_sdpa(
+    q: torch.Tensor,  # [B, T, Hq, D] fp32
+    k_cache: torch.Tensor,  # [Bmax, Hk, S, D] fp32
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T]
+    valid: torch.Tensor,  # [B, T]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """:func:`masked_attention_torch`'s result through torch's fused SDPA: on CPU a blocked kernel with an online
+    softmax, so no ``[B, H, T, L]`` score tensor is written (the reference writes several: 150 MB per layer at 2048
+    tokens for 9 heads), which is what made long prefills slower than HF's sdpa model. A plain causal prompt (no
+    cache before it, no padding, no window) takes ``is_causal``; other cases a boolean mask ``[B, 1, T, L]``."""
+    B, T, Hq, _ = q.shape
+    L = min(k_cache.shape[2], max(int(positions.max()) + 1, 1))  # one host sync, as the reference
+    k, v = k_cache[:B, :, :L], v_cache[:B, :, :L]  # [B, Hk, L, D] views
+    qt = q.transpose(1, 2)  # [B, Hq, T, D]
+    gqa = k_cache.shape[1] != Hq
+    padded = not bool(valid.all())
+    if not padded and sliding_window is None and L == T and int(positions[:, 0].max()) == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()  # [B, T, Hq, D]
+    j = torch.arange(L, device=q.device)
+    p = positions.long()[:, :, None]  # [B, T, 1]
+    allowed = j[None, None, :] <= p  # [B, T, L]
+    if sliding_window is not None:
+        allowed &= j[None, None, :] > p - sliding_window
+    if padded:  # a padding row allows no key (NaN from softmax): let it see slot 0, then zero it like the reference
+        allowed |= (~valid)[:, :, None] & (j == 0)[None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qt, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa
+    ).transpose(1, 2)  # [B, T, Hq, D]
+    if padded:
+        out = out.masked_fill(~valid[:, :, None, None], 0.0)
+    return out.contiguous()
 
 
 @triton.jit
