@@ -157,12 +157,14 @@ def serve(path: str, inference_config: Any = None, host: str = "127.0.0.1", port
 
         workers = TPWorkers.spawn(tensor_parallel_size, path, inference_config, threads) if rank is None else \
             TPWorkers([])  # fmt: skip
-        init_distributed(timeout=SERVE_TIMEOUT)
+        workers.watch()
     server = None
     try:
+        if workers is not None:
+            init_distributed(timeout=SERVE_TIMEOUT)
         server = build_server(path, inference_config, **kwargs)
         if workers is not None:
-            workers.watch(server.engine)
+            workers.engine = server.engine
         print(f"hf_dsinfer: serving '{server.model_name}' on http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
               file=sys.stderr, flush=True)  # fmt: skip
         server.run(host, port)

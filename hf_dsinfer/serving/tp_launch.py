@@ -70,6 +70,7 @@ class TPWorkers:
 
     def __init__(self, procs: list[subprocess.Popen]):
         self.procs = procs
+        self.engine: Any = None  # rank 0's ServingEngine, once built (see watch)
         self._closing = False
         self._watcher: threading.Thread | None = None
 
@@ -99,16 +100,25 @@ class TPWorkers:
         return [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in enumerate(self.procs, start=1) if p.poll() is not None]  # fmt: skip
 
-    def watch(self, engine: Any, interval: float = 0.5) -> None:
-        """Fail ``engine`` (``/health`` 503, requests refused) as soon as a worker exits while serving."""
+    def watch(self, interval: float = 0.5) -> None:
+        """Watch the workers from now on. One that exits while the model loads ends the server (the other ranks
+        would wait for it in a collective): the others are killed and this process exits with status 1. Once
+        :attr:`engine` is set, one that exits fails the engine instead (``/health`` 503, requests refused)."""
 
         def loop() -> None:
             while not self._closing:
                 gone = self.dead()
-                if gone:
-                    if not self._closing:
-                        logger.error("hf_dsinfer serve: a tensor-parallel worker died: %s", "; ".join(gone))
-                        engine.fail(RuntimeError(f"tensor-parallel worker {'; '.join(gone)}"))
+                if gone and not self._closing:
+                    reason = "; ".join(gone)
+                    if self.engine is None:
+                        logger.error("hf_dsinfer serve: a tensor-parallel worker died while loading (%s); stopping",
+                                     reason)  # fmt: skip
+                        for proc in self.procs:
+                            if proc.poll() is None:
+                                proc.kill()
+                        os._exit(1)
+                    logger.error("hf_dsinfer serve: a tensor-parallel worker died: %s", reason)
+                    self.engine.fail(RuntimeError(f"tensor-parallel worker {reason}"))
                     return
                 time.sleep(interval)
 
