@@ -104,6 +104,10 @@ def test_trl_grpo_lora_with_shared_base_equals_plain_trl(tmp_path):
     assert last_generate_stats(engine.module).path == "fast", "rollouts should run hf_dsinfer's fast loop"
     frozen = _train("grpo", tmp_path, peft_config=lora(), lr=0.0)  # control: the rollouts depend on the updates
     assert frozen[0] != plain[0]
+    callback = HybridEngineCallback(inference_config={"max_out_tokens": 64})  # the paged engine over the side paths
+    routed = _train("grpo", tmp_path, callback=callback, peft_config=lora(), lr=0.2,
+                    use_transformers_continuous_batching=True)  # fmt: skip
+    assert callback.engine._shared is not None and routed[:2] == plain[:2]
 
 
 def test_trl_continuous_batching_is_routed_to_the_engine(tmp_path):

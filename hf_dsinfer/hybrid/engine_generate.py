@@ -73,8 +73,10 @@ class GenerateMixin:
         return logp_diff(self.module, training, seqs, mask, self.logp_probe_rows, temperature)
 
     def generate_batch(self, inputs: list[list[int]], generation_config: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """transformers' ``generate_batch`` (continuous batching) API, run by the engine's ``generate`` on left-padded
-        batches (:mod:`hf_dsinfer.hybrid.batch`): ``{request_id: GenerationOutput}`` in transformers' order."""
+        """transformers' ``generate_batch`` (continuous batching) API on the inference copy: hf_dsinfer's paged engine
+        (continuous batching, prompt blocks shared by a prompt's completions), or left-padded batches through
+        ``generate`` under ``inference_tp_size > 1`` (:mod:`hf_dsinfer.hybrid.batch`). Returns
+        ``{request_id: GenerationOutput}`` in transformers' order."""
         from .batch import generate_batch
 
         return generate_batch(self, inputs, generation_config, **kwargs)
