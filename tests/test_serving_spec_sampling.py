@@ -6,7 +6,8 @@ tokens that verification of fixed proposals emits, over 6000 seeds, match the ex
 transformers' own processors (chi-square), and match plain sampling seed for seed; accepting every proposal fails the
 same test (the test has power). Then on tiny random Llamas: seeded sampled requests keep their text with n-gram
 speculation, alone and in a batch; a smaller draft model gives plain greedy's tokens (and sampled requests their
-seeded text); the target as its own draft has every proposal accepted; a draft with another vocabulary is refused.
+seeded text); the target as its own draft has every proposal accepted; a draft with another vocabulary is refused;
+a draft without a policy runs unfused; the stats and /metrics count sampled and draft-model speculation.
 """
 
 from __future__ import annotations
@@ -209,3 +210,22 @@ def test_a_draft_without_a_policy_runs_unfused_with_a_warning(llama, tmp_path, c
         spec, stats = run(opt, reqs, {"model": str(tmp_path), "num_speculative_tokens": 2})
     assert spec == plain and stats.spec_decode_num_draft_tokens > 0
     assert "runs unfused" in caplog.text
+
+
+def test_stats_and_metrics_count_sampled_and_draft_speculation(llama):
+    pytest.importorskip("prometheus_client")
+    from hf_dsinfer.serving.metrics import ServerMetrics
+
+    opt, path = llama
+    sampled_only = [r for r in requests() if r[1].do_sample]
+    for cfg in (NGRAM, {"model": path, "num_speculative_tokens": 3}):
+        engine = ServingEngine(opt, block_size=4, speculative_config=cfg)
+        for prompt, config_, over in sampled_only:
+            engine.submit(prompt, config_, **over)
+        engine.run_until_idle()
+        stats = engine.stats
+        assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0, cfg
+        body = ServerMetrics(engine, "tiny", 96).render()[0].decode()
+        for name in ("drafts", "draft_tokens", "accepted_tokens"):
+            value = float(getattr(stats, f"spec_decode_num_{name}"))
+            assert f'hf_dsinfer:spec_decode_num_{name}_total{{model_name="tiny"}} {value}' in body, name

@@ -38,9 +38,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
 
 
 def workloads(tok: Any) -> dict[str, list[list[int]]]:
-    """Prompt ids per workload (chat template, generation prompt added)."""
+    """Prompt ids per workload (the chat template with the generation prompt where the tokenizer has one)."""
 
     def ids(text: str) -> list[int]:
+        if getattr(tok, "chat_template", None) is None:  # a base model's tokenizer (tests' tiny models)
+            return tok(text)["input_ids"]
         chat = [{"role": "user", "content": text}]
         return tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
