@@ -30,7 +30,7 @@ from .blocks import BlockManager
 from .requests import SamplingParams
 from .sampling import prompt_logprob_rows, record_prompt_logprobs, select_tokens
 from .scheduler import StepPlan
-from .speculation import verify_greedy
+from .speculation import verify
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -254,5 +254,5 @@ class PagedRunner:
             return {}
         out = {id(seq): tok for seq, tok in zip(ready, select_tokens(logits[: len(last)], ready))} if ready else {}
         if spec:
-            out.update(verify_greedy(logits[len(last) :], spec, plan.accepted))
+            out.update(verify(logits[len(last) :], spec, plan.accepted))  # greedy and sampled (.speculation)
         return out

@@ -193,7 +193,7 @@ def verify(logits: torch.Tensor, entries: list[tuple[Sequence, list[int]]], acce
     return out
 
 
-verify_greedy = verify  # the name PagedRunner imported before sampled requests speculated
+verify_greedy = verify  # the former name (greedy only), for code written against it
 
 
 def _verify_processed(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[int, int]:
