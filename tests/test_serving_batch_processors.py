@@ -134,8 +134,7 @@ def test_sampling_warpers_keep_every_token_in_hfs_set(setup, case):
 
 def test_beam_and_contrastive_search_are_refused_by_name(setup):
     ref, opt, _, batch, free = setup
-    for settings, name in ((dict(num_beams=2), "beam search"), (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
-                           (dict(prompt_lookup_num_tokens=3, do_sample=True), "prompt lookup")):  # fmt: skip
+    for settings, name in ((dict(num_beams=2), "beam search"), (dict(penalty_alpha=0.6, top_k=4), "contrastive")):
         got = opt.generate_batch(batch[:2], generation_config=config(**settings))
         assert all(o.status == RequestStatus.FAILED and name in o.error for o in got.values()), name
     greedy_lookup = opt.generate_batch(batch, generation_config=config(prompt_lookup_num_tokens=3))

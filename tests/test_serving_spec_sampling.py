@@ -229,3 +229,24 @@ def test_stats_and_metrics_count_sampled_and_draft_speculation(llama):
         for name in ("drafts", "draft_tokens", "accepted_tokens"):
             value = float(getattr(stats, f"spec_decode_num_{name}"))
             assert f'hf_dsinfer:spec_decode_num_{name}_total{{model_name="tiny"}} {value}' in body, name
+
+
+def test_generate_batch_speculates_sampled_prompt_lookup_and_an_assistant_model(llama, drafts):
+    from hf_dsinfer.serving.hf_api import last_batch_stats
+
+    opt, path = llama
+    small, _ = drafts
+    reqs = [p for p, _, _ in requests()]
+    greedy = config(16)
+    plain = opt.generate_batch(reqs, generation_config=greedy)
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(small, inference_config=INJECT).eval()
+    greedy.num_assistant_tokens = 3
+    drafted = opt.generate_batch(reqs, generation_config=greedy, assistant_model=assistant)
+    assert [o.generated_tokens for o in drafted.values()] == [o.generated_tokens for o in plain.values()]
+    assert last_batch_stats(opt).spec_decode_num_draft_tokens > 0
+    # sampled with prompt lookup: near-greedy on prompts that repeat themselves, so proposals are found and kept
+    lookup = config(16, do_sample=True, temperature=0.05, prompt_lookup_num_tokens=3)
+    out = opt.generate_batch(reqs, generation_config=lookup)
+    assert all(o.error is None and len(o.generated_tokens) == 16 for o in out.values())
+    stats = last_batch_stats(opt)
+    assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens > 0

@@ -30,12 +30,19 @@ from .speculation import SpeculativeConfig, may_speculate, room_for
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def load_draft(path: str, target: nn.Module, max_positions: int, target_vocab: int) -> nn.Module:
+def load_draft(path: Any, target: nn.Module, max_positions: int, target_vocab: int) -> nn.Module:
     """The draft model at ``path`` in ``target``'s dtype and on its device (fused where a policy exists); refused when
-    its vocabulary differs from the target's (``target_vocab`` logits per token)."""
+    its vocabulary differs from the target's (``target_vocab`` logits per token). ``path`` may be a loaded model
+    (``generate_batch(assistant_model=...)``): it is used as it is, and must sit on the target's device."""
     import transformers
 
     weight = target.get_output_embeddings().weight
+    if isinstance(path, nn.Module):
+        where = path.get_output_embeddings().weight.device
+        if where != weight.device:
+            raise ValueError(f"assistant_model is on {where}, the model on {weight.device}: move it there first")
+        check_same_vocabulary(type(path).__name__, path, target, target_vocab)
+        return path.eval()
     config = {"dtype": _DTYPES.get(weight.dtype, "fp32"), "max_out_tokens": int(max_positions)}
     try:
         draft = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=config)
@@ -73,6 +80,10 @@ def _tokenizer_vocab(model: nn.Module) -> dict[str, int] | None:
         return None
 
 
+def _name(model: Any) -> str:
+    return model if isinstance(model, str) else getattr(model, "name_or_path", None) or type(model).__name__
+
+
 class DraftSpeculator:
     """Greedy draft-model proposals per request for the scheduler (module docstring)."""
 
@@ -88,11 +99,14 @@ class DraftSpeculator:
             self.runner = PagedRunner(self.draft, block_size=blocks.block_size, num_blocks=blocks.num_blocks)
         else:
             logger.warning("hf_dsinfer serving: the draft model %s runs unfused, recomputing its whole sequence for "
-                           "each proposed token (%s): expect little or no speed-up", config.model, reason)  # fmt: skip
+                           "each proposed token (%s): expect little or no speed-up",
+                           _name(config.model), reason)  # fmt: skip
         self.params = SamplingParams(max_new_tokens=1, eos_token_ids=frozenset())  # the draft's own steps: argmax
         self.states: dict[int, Sequence] = {}  # id(request) -> the draft's copy of its sequence (fused draft)
         self.ready: dict[int, list[int]] = {}  # id(request) -> this step's proposal (fused draft, begin_step)
-        self.max_positions = runner.max_positions
+        # an assistant model loaded with a shorter position table than the target's proposes only within it
+        own = self.runner.max_positions if self.runner is not None else runner.max_positions
+        self.max_positions = min(runner.max_positions, own)
 
     def begin_step(self, running: list[Sequence]) -> None:
         """Before the scheduler plans a step: free the draft-side state (and blocks) of requests no longer running

@@ -81,11 +81,16 @@ def engine_options(cb_config: Any) -> dict[str, Any]:
     return out
 
 
-def lookup_config(config: Any) -> dict | None:
-    """The engine's n-gram speculation for a greedy ``generation_config`` with ``prompt_lookup_num_tokens`` (as
-    ``generate``'s prompt lookup: n-grams of ``max_matching_ngram_size``, default 2, down to 1), else None."""
+def lookup_config(config: Any, assistant_model: Any = None) -> dict | None:
+    """The engine's speculation for ``generate_batch``: the draft ``assistant_model`` (``num_assistant_tokens``
+    proposals a step, as ``generate``), else n-grams for a ``generation_config`` with ``prompt_lookup_num_tokens`` (as
+    ``generate``'s prompt lookup: n-grams of ``max_matching_ngram_size``, default 2, down to 1), else None. Greedy and
+    sampled requests alike (:mod:`.speculation`)."""
+    if assistant_model is not None:
+        k = int(getattr(config, "num_assistant_tokens", None) or 5)
+        return {"method": "draft_model", "model": assistant_model, "num_speculative_tokens": k}
     k = getattr(config, "prompt_lookup_num_tokens", None)
-    if not k or getattr(config, "do_sample", False):
+    if not k:
         return None
     longest = int(getattr(config, "max_matching_ngram_size", None) or 2)
     return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": longest, "prompt_lookup_min": 1}
@@ -155,12 +160,13 @@ def run_generate_batch(
     record_timestamps: bool = False,
     max_new_tokens: int | None = None,
     tokenizer: Any = None,
+    assistant_model: Any = None,
 ) -> dict[str, Any]:
     """The body of ``generate_batch`` on the paged engine (synchronous: this thread steps the engine)."""
     config = generation_config if generation_config is not None else model.generation_config
     copies = int(getattr(config, "num_return_sequences", None) or 1)
     want = copies * sum(len(p) + (max_new_tokens or config.max_new_tokens or 0) for p in inputs)
-    engine = batch_engine(model, continuous_batching_config, want, lookup_config(config))
+    engine = batch_engine(model, continuous_batching_config, want, lookup_config(config, assistant_model))
     # The weights may have changed since the last call (a Hybrid Engine refresh, a training step): KV blocks
     # cached by earlier calls are stale. Sharing within this call stays on.
     engine.clear_prefix_cache()
@@ -209,7 +215,9 @@ def generate_batch(
     Same arguments and result as transformers': ``{request_id: GenerationOutput}`` in input order, children of
     ``num_return_sequences`` before their parent. ``progress_bar``, ``persistent_manager`` and ``warmup`` have no
     effect here (no CUDA graphs to warm up; the engine is kept on the model between calls anyway). ``tokenizer=``:
-    as ``generate(tokenizer=...)``, needed for ``stop_strings``.
+    as ``generate(tokenizer=...)``, needed for ``stop_strings``. ``assistant_model=``: a draft model (sharing the
+    model's tokenizer) whose proposals each step verifies, as ``generate(assistant_model=...)``; the engine's
+    speculation keeps greedy tokens and the sampling distribution exactly (:mod:`.speculation`).
 
     Tensor-parallel model: call it on every rank, as ``generate``; rank 0 schedules and samples with its settings,
     every rank runs its shard, and every rank gets the results of the prompts it passed
@@ -217,6 +225,7 @@ def generate_batch(
     """
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     tokenizer = kwargs.pop("tokenizer", None)
+    assistant_model = kwargs.pop("assistant_model", None)  # padded fallback: not used (the same distribution)
     if kwargs:
         logger.warning("hf_dsinfer generate_batch: ignoring unknown arguments %s", sorted(kwargs))
     reason = unsupported_reason(self)
@@ -225,7 +234,7 @@ def generate_batch(
 
         def run(prompts: list[list[int]]) -> dict[str, Any]:
             return run_generate_batch(self, prompts, generation_config, continuous_batching_config, record_timestamps,
-                                      max_new_tokens, tokenizer)  # fmt: skip
+                                      max_new_tokens, tokenizer, assistant_model)  # fmt: skip
 
         return tp_generate_batch(self, inputs, run)
     if not inputs:
@@ -243,7 +252,7 @@ def generate_batch(
         return padded_generate_batch(self.generate, inputs, config, rows=rows, device=device,
                                      max_new_tokens=max_new_tokens, tokenizer=tokenizer)  # fmt: skip
     return run_generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
-                              max_new_tokens, tokenizer)  # fmt: skip
+                              max_new_tokens, tokenizer, assistant_model)  # fmt: skip
 
 
 class _ThreadStatus:

@@ -25,7 +25,6 @@ _UNSUPPORTED = {
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
     "penalty_alpha": None,
-    "prompt_lookup_num_tokens": None,
     "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0,
     "force_words_ids": None,
@@ -35,7 +34,7 @@ _UNSUPPORTED = {
     "token_healing": None,
     "watermarking_config": None,
 }
-_WHY = {"num_beams": "beam search", "penalty_alpha": "contrastive search", "prompt_lookup_num_tokens": "prompt lookup"}
+_WHY = {"num_beams": "beam search", "penalty_alpha": "contrastive search"}
 
 # GenerationConfig settings honoured through transformers' own logits processors, with their neutral values: a request
 # that sets one gets generate's whole processor list (``SamplingParams.hf_processors``), so their order is generate's.
@@ -199,8 +198,6 @@ class SamplingParams:
         for name, default in _UNSUPPORTED.items():
             value = getattr(config, name, default)
             if value is not None and value != default and not (default is None and value in (0, 1.0, [], ())):
-                if name == "prompt_lookup_num_tokens" and not config.do_sample:
-                    continue  # greedy prompt lookup only speeds up greedy search: the tokens are greedy's
                 what = _WHY.get(name, f"generation_config.{name}={value!r}")
                 raise ValueError(
                     f"{what} is not supported by continuous batching on fused layers; leave "

@@ -60,7 +60,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
-    model: str | None = None  # the draft model's folder (method "draft_model")
+    #: the draft model (method "draft_model"): its folder or hub name, or an already loaded ``*ForCausalLM``
+    #: (``generate_batch(assistant_model=...)``)
+    model: Any = None
 
     @classmethod
     def parse(cls, config: Any) -> SpeculativeConfig | None:
@@ -88,7 +90,8 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config method={method!r}: only {list(METHODS)} are served "
                              "(prompt lookup, a draft model; EAGLE/Medusa/MTP heads are not)")  # fmt: skip
-        if method == "draft_model" and (not isinstance(model, str) or not model):
+        loaded = isinstance(model, torch.nn.Module) and model.get_output_embeddings() is not None
+        if method == "draft_model" and not loaded and (not isinstance(model, str) or not model):
             raise ValueError(f"speculative_config method='draft_model' needs \"model\": the draft model's folder or "
                              f"hub name (got model={model!r})")  # fmt: skip
         if method == "ngram" and model is not None:
