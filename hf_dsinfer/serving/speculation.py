@@ -207,11 +207,13 @@ def _verify_processed(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> 
         scores = _process(logits[j : j + 1].clone(), [view])  # [1, V]
         choice = _draw(scores, [view])  # [1]: one uniform of the request's stream, as a plain step draws
         token = int(choice[0])
-        if not bool(torch.isfinite(scores[0, token])):
+        if not bool(torch.isfinite(scores[0, token])):  # the scheduler ends the request with this error
             seq.sampler.error = "every token was masked: nothing can be generated"
+            return j, token
         if j == len(draft) or token != draft[j]:
             return j, token
     raise AssertionError("unreachable: the loop returns at j == len(draft)")
+
 
 def count_speculation(stats: Any, plan: Any) -> None:
     """Add a step's proposals and acceptances to ``stats`` (a ``ServingStats``; ``plan`` None: an empty step)."""
