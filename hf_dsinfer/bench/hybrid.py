@@ -10,9 +10,18 @@ prompts, AdamW). Two training setups, each on one random-weight model of ``prese
   unmerged LoRA layers) vs ``hybrid`` (LoRA fused into the packed inference copy at each refresh).
 
 The setup DeepSpeed published for its Hybrid Engine is OPT-1.3B, batch 8, prompt 256, 128 new tokens, LoRA.
-Rows report per-iteration medians: generate, refresh (hybrid), training and end-to-end milliseconds, generated tokens
-per second, peak memory (CUDA), and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate
-+ refresh counted for the engine) and ``e2e_speedup``. ``run_hybrid_bench`` returns the rows; ``hf-dsinfer bench
+
+A real preset (``smollm2-real``: SmolLM2-135M-Instruct's trained weights) runs the **GRPO shape** instead: ``batch``
+rollout rows made of ``batch // 8`` chat prompts (the tokenizer's chat template) each repeated 8 times in a row (TRL's
+``repeat_interleave``), sampled with TRL's defaults (temperature 1, top-k 0, top-p 1), ``new_tokens`` new tokens per
+row (``min_new_tokens`` too, so both contenders generate the same count); the training step runs on the distinct
+prompts. Its hybrid row adds the engine's ``memory()`` and the RSS growth that building it caused.
+Rows report per-iteration medians: generate, refresh (hybrid), training and end-to-end milliseconds, the generate
+calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far less than wall time; with one thread
+it is the work done), generated tokens per second, peak memory (CUDA), the load average before and after the setup,
+and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate + refresh counted for the
+engine), ``cpu_speedup`` (the same on CPU time), ``switch_pct`` (refresh over generate, percent) and
+``e2e_speedup``. ``run_hybrid_bench`` returns the rows; ``hf-dsinfer bench
 --hybrid`` prints and saves them.
 """
 
@@ -44,11 +53,74 @@ def _peak_mib(device: torch.device) -> float | None:
     return None  # the process-wide RSS peak cannot be split between contenders on CPU
 
 
-def _training_model(preset: str, device: torch.device, dtype: torch.dtype, lora_rank: int, seed: int) -> nn.Module:
-    """A random-weight model of ``preset``; with ``lora_rank`` > 0, peft LoRA on every linear layer (non-zero B)."""
-    from .decode import build_random_model, preset_config  # the shared shape presets
+#: The GRPO shape's chat prompts (real presets) and completions per prompt (TRL's ``num_generations``).
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three prime numbers and say why they are prime.",
+)
+COMPLETIONS = 8
 
-    model = build_random_model(preset_config(preset), device, dtype, seed)
+
+def _loadavg() -> float | None:
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return float(f.read().split()[0])
+    except OSError:  # not Linux
+        return None
+
+
+def _rss_bytes() -> int | None:
+    """Resident bytes of this process after returning malloc's free pages (Linux; None elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * 4096
+    except OSError:
+        return None
+
+
+def _grpo_prompts(preset: str, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The GRPO shape's rows: ``batch // 8`` chat prompts, each repeated 8 times in a row, left-padded;
+    ``(input_ids [batch, P], attention_mask [batch, P], pad id)``."""
+    from transformers import AutoTokenizer
+
+    from .decode import REAL_PRESETS
+
+    if batch < COMPLETIONS or batch % COMPLETIONS or batch // COMPLETIONS > len(CHAT_PROMPTS):
+        raise ValueError(
+            f"bench --hybrid on {preset} runs the GRPO shape: --batch-sizes must be {COMPLETIONS} completions x 1-"
+            f"{len(CHAT_PROMPTS)} prompts (8, 16, 24 or 32 rows), got {batch}"
+        )
+    tok = AutoTokenizer.from_pretrained(REAL_PRESETS[preset]())
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in CHAT_PROMPTS[: batch // COMPLETIONS]]  # fmt: skip
+    enc = tok(chats, return_tensors="pt", padding=True, padding_side="left")
+    ids = enc["input_ids"].repeat_interleave(COMPLETIONS, 0).to(device)  # [batch, P]
+    mask = enc["attention_mask"].repeat_interleave(COMPLETIONS, 0).to(device)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return ids, mask, pad
+
+
+def _training_model(preset: str, device: torch.device, dtype: torch.dtype, lora_rank: int, seed: int) -> nn.Module:
+    """A random-weight model of ``preset`` (trained weights for a real preset); with ``lora_rank`` > 0, peft LoRA on
+    every linear layer (non-zero B)."""
+    from .decode import REAL_PRESETS, build_random_model, preset_config  # the shared shape presets
+
+    if preset in REAL_PRESETS:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(REAL_PRESETS[preset](), dtype=dtype).to(device)
+        with torch.no_grad():  # read every weight now: file-mapped pages would otherwise show up as the engine's RSS
+            for p in model.parameters():
+                p.sum()
+    else:
+        model = build_random_model(preset_config(preset), device, dtype, seed)
     if lora_rank <= 0:
         return model.requires_grad_(True)  # full fine-tune: every weight trains
     from peft import LoraConfig, get_peft_model
@@ -103,16 +175,27 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     from ..hybrid.engine import HybridEngine
     from ..log import logger
     from ..policies import get_injection
+    from .decode import REAL_PRESETS
     from .report import error_text
 
+    load_before = _loadavg()
     model = _training_model(preset, dev, DTYPES[dtype], lora_rank if mode == "lora" else 0, seed)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+    grpo = preset in REAL_PRESETS
+    if grpo:  # GRPO shape: chat prompts x 8 completions, sampled (TRL's defaults); train on the distinct prompts
+        ids, mask, pad = _grpo_prompts(preset, batch, dev)
+        prompt_len = ids.shape[1]
+        train_ids = ids[::COMPLETIONS]
+        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+        mask, pad, train_ids, sampling = torch.ones_like(ids), 0, ids, dict(do_sample=False)
     gen_kw = dict(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        input_ids=ids, attention_mask=mask, pad_token_id=pad, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        **sampling,
     )  # fmt: skip
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    rss_before = _rss_bytes()
     peer = "peft" if mode == "lora" else "hf"
     errors: dict[str, str] = {}  # contender -> its error; a contender that raised is not called again
     try:
@@ -125,32 +208,37 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     except Exception as e:  # noqa: BLE001 - the engine failing is the bench's finding, the HF peer still runs
         logger.debug("bench --hybrid: HybridEngine failed to start", exc_info=True)
         errors["hybrid"] = error_text(e)
-    times = {peer: {"generate_ms": [], "train_ms": [], "e2e_ms": []},
-             "hybrid": {"generate_ms": [], "refresh_ms": [], "train_ms": [], "e2e_ms": []}}  # fmt: skip
+    rss_engine = _rss_bytes() if "hybrid" not in errors else None
+    keys = ("generate_ms", "generate_cpu_ms", "train_ms", "e2e_ms")
+    times = {peer: {k: [] for k in keys}, "hybrid": {k: [] for k in (*keys, "refresh_ms")}}
 
     def run_peer(record: bool) -> None:
-        t0 = _now(dev)
+        t0, c0 = _now(dev), time.process_time()
         model.eval()
         with torch.no_grad():
             model.generate(**gen_kw)
-        t1 = _now(dev)
-        _train_step(model, optimizer, ids)
+        t1, c1 = _now(dev), time.process_time()
+        _train_step(model, optimizer, train_ids)
         t2 = _now(dev)
         if record:
-            for key, value in (("generate_ms", t1 - t0), ("train_ms", t2 - t1), ("e2e_ms", t2 - t0)):
+            for key, value in (("generate_ms", t1 - t0), ("generate_cpu_ms", c1 - c0), ("train_ms", t2 - t1),
+                               ("e2e_ms", t2 - t0)):  # fmt: skip
                 times[peer][key].append(value * 1e3)
 
     def run_hybrid(record: bool) -> None:
         t0 = _now(dev)
         he.eval()
+        c0 = time.process_time()
         he.generate(**gen_kw)
+        c1 = time.process_time()
         he.train()
         t1 = _now(dev)
-        _train_step(model, optimizer, ids)
+        _train_step(model, optimizer, train_ids)
         t2 = _now(dev)
         it = he.stats.last
         if record:
             times["hybrid"]["generate_ms"].append(it.generate_ms)
+            times["hybrid"]["generate_cpu_ms"].append((c1 - c0) * 1e3)
             times["hybrid"]["refresh_ms"].append(it.refresh_ms)
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
@@ -170,21 +258,35 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         order = ((peer, run_peer), ("hybrid", run_hybrid))
         for name, run in order if i % 2 == 0 else order[::-1]:
             attempt(name, run, i > 0)
-    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev, errors.get(peer))
+    loads = dict(load_before=load_before, load_after=_loadavg())
+    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev, errors.get(peer), **loads)
     if "hybrid" in errors:
         return [
             peer_row,
-            _row("hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev, errors["hybrid"]),
+            _row("hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev, errors["hybrid"],
+                 **loads),  # fmt: skip
         ]
-    copy_mib = sum(p.numel() * p.element_size() for p in he.module.parameters()) / 2**20
+    mem = {k: round(v / 2**20, 1) for k, v in he.memory().items()}  # MiB
+    copy_mib = mem["weights"]
+    built_mib = round((rss_engine - rss_before) / 2**20, 1) if rss_engine and rss_before else None
     hybrid_row = _row(
         "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
-        injected=get_injection(he.module) is not None, inference_copy_mib=round(copy_mib, 1),
+        injected=get_injection(he.module) is not None, inference_copy_mib=copy_mib, memory_mib=mem,
+        rss_engine_built_mib=built_mib, **loads,
     )  # fmt: skip
+    hybrid_row["switch_pct"] = (
+        round(100 * hybrid_row["refresh_ms"] / hybrid_row["generate_ms"], 2) if hybrid_row["generate_ms"] else None
+    )
     if peer not in errors:  # a ratio needs both contenders
         engine_ms = hybrid_row["generate_ms"] + (hybrid_row["refresh_ms"] or 0.0)
         hybrid_row["speedup"] = round(peer_row["generate_ms"] / engine_ms, 3)
+        hybrid_row["cpu_speedup"] = round(peer_row["generate_cpu_ms"] / hybrid_row["generate_cpu_ms"], 3)
         hybrid_row["e2e_speedup"] = round(peer_row["e2e_ms"] / hybrid_row["e2e_ms"], 3)
+    hybrid_row["note"] = (
+        f"cpu_speedup {hybrid_row.get('cpu_speedup')}, switch {hybrid_row['switch_pct']}% of generate; memory MiB: "
+        f"copy {mem['weights']}, KV {mem['kv_cache']}, packed {mem['cpu_packed']}, shared "
+        f"{mem['shared_with_training']}, RSS at build {built_mib}; load {loads['load_before']}-{loads['load_after']}"
+    )
     return [peer_row, hybrid_row]
 
 
