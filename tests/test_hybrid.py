@@ -230,8 +230,15 @@ def test_hybrid_bench_rows_on_cpu():
     rows = run_hybrid_bench("tiny", batch=2, prompt_len=8, new_tokens=4, device="cpu", dtype="fp32", iterations=1)
     assert [(r["mode"], r["peer"]) for r in rows] == [("full", "hf"), ("full", "hybrid"), ("lora", "peft"),
                                                       ("lora", "hybrid")]  # fmt: skip
-    assert all(r["note"] == "" and r["generate_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(not r["failed"] and r["generate_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["generate_cpu_ms"] > 0 for r in rows)
     for peer, hybrid in (rows[:2], rows[2:]):
+        assert peer["note"] == "" and "cpu_speedup" in hybrid["note"]
         assert hybrid["refresh_ms"] > 0 and hybrid["injected"]
         want = peer["generate_ms"] / (hybrid["generate_ms"] + hybrid["refresh_ms"])
         assert hybrid["speedup"] == pytest.approx(want, rel=1e-2)
+        assert hybrid["cpu_speedup"] == pytest.approx(peer["generate_cpu_ms"] / hybrid["generate_cpu_ms"], rel=1e-2)
+        assert hybrid["switch_pct"] == pytest.approx(100 * hybrid["refresh_ms"] / hybrid["generate_ms"], rel=1e-2)
+        mem = hybrid["memory_mib"]
+        assert mem["weights"] == hybrid["inference_copy_mib"] and mem["kv_cache"] > 0
+    assert rows[3]["memory_mib"]["shared_with_training"] > 0 and rows[1]["memory_mib"]["shared_with_training"] == 0
