@@ -235,7 +235,7 @@ def test_generate_batch_on_4_ranks_with_uneven_heads_equals_tp1(run, tmp_path):
 
 
 def test_engine_refusals_without_a_second_process(tmp_path):
-    """A tp=1 model has no workers; an engine off rank 0 or with adapters under TP is refused by name."""
+    """A tp=1 model has no workers; an engine off rank 0 is refused by name."""
     from types import SimpleNamespace
 
     from hf_dsinfer.serving.engine import _check_tp
@@ -248,9 +248,7 @@ def test_engine_refusals_without_a_second_process(tmp_path):
     with pytest.raises(ValueError, match="rank 0 runs the ServingEngine"):
         run_worker(model)
     with pytest.raises(ValueError, match="run_worker"):
-        _check_tp(SimpleNamespace(rank=1, size=2), enable_lora=False)
-    with pytest.raises(ValueError, match="enable_lora with tensor parallelism"):
-        _check_tp(SimpleNamespace(rank=0, size=2), enable_lora=True)
+        _check_tp(SimpleNamespace(rank=1, size=2))
 
 
 def test_step_encoding_round_trips():

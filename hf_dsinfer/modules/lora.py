@@ -9,6 +9,12 @@ owns a rank block ``[p * R, (p + 1) * R)`` of ``A [L, parts * R, in]`` and its o
 ``B [L, out, parts * R]`` (block-diagonal), so one pair of launches covers every part and every adapter. The scaling
 is folded into ``B``. An adapter of rank ``r < R`` leaves zeros in its block (exact: zeros add nothing).
 
+Under tensor parallelism each rank holds its shard of every adapter (:mod:`hf_dsinfer.serving.lora` slices it): a
+column-parallel linear (qkv, gate/up: output rows split) keeps ``A`` whole and the base weight's rows of ``B``; a
+row-parallel one (o, down: input columns split, ``reduce`` set) keeps the base weight's columns of ``A`` and ``B``
+whole, and its delta is added to this rank's partial product *before* the all-reduce, so base and delta are summed
+over the ranks by the one reduce the base linear does anyway.
+
 The per-token slots are set per step on a :class:`LoRASlots` shared by every side path of the model (the serving
 runner sets them around its forward; ``None``: no adapter in this step, the side path costs nothing). The Hybrid
 Engine's ``LoRALinear`` (hybrid/shared_base.py) is the single-adapter training-time sibling of this class.
@@ -52,8 +58,6 @@ class MultiLoRALinear(Linear):
     """
 
     def __init__(self, base: Linear, state: LoRASlots, max_loras: int, max_rank: int, parts: list[int]):
-        if base.reduce is not None:
-            raise ValueError("LoRA adapters on a tensor-parallel (row-parallel) linear are not supported")
         super().__init__(base.weight, base.bias, base.reduce)
         w = base.weight
         if sum(parts) != w.shape[0]:
@@ -92,17 +96,24 @@ class MultiLoRALinear(Linear):
         self.slot_ranks[slot] = 0
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
-        """``x [..., in] -> [..., out]``: the base product, then each adapted token's delta added in place."""
-        y = super().forward(x, defer_reduce)  # [..., out], a new tensor
+        """``x [..., in] -> [..., out]``: the base product, then each adapted token's delta added in place.
+
+        Row-parallel (``reduce`` set): the delta joins this rank's partial sums, then one reduce and the bias (or, with
+        ``defer_reduce``, the partial sums come back unreduced and without the bias, as :class:`~.linear.Linear`'s)."""
         slots = self.state.slots
         if slots is None:
-            return y
+            return super().forward(x, defer_reduce)
+        partial = self.reduce is not None
+        y = super().forward(x, defer_reduce or partial)  # [..., out], a new tensor (row-parallel: partial, no bias)
         y = y if y.is_contiguous() else y.contiguous()
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [N, in], [N, out] (N = T of the step)
         if slots.shape[0] != x2.shape[0]:
             raise RuntimeError(f"LoRA slots for {slots.shape[0]} tokens, but the step has {x2.shape[0]}")
         lora_add(y2, x2, self.lora_a, self.lora_b, slots, self.state.groups, self.parts, self.slot_ranks)
-        return y
+        if not partial or defer_reduce:
+            return y
+        y = self.reduce(y)  # base + delta summed over the ranks at once
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, loras={self.lora_a.shape[0]}, max_rank={self.max_rank}, parts={self.parts}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
 import threading
 import time
@@ -90,15 +91,11 @@ class ServingStats:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "prefill_saving": self.prefill_saving}
 
 
-def _check_tp(tp: Any, enable_lora: bool) -> None:
-    """Refuse what the tensor-parallel engine does not do: running on a rank other than 0, LoRA adapters."""
+def _check_tp(tp: Any) -> None:
+    """Refuse what the tensor-parallel engine does not do: running on a rank other than 0."""
     if tp.rank != 0:
         raise ValueError(f"ServingEngine on rank {tp.rank} of a tensor-parallel model: rank 0 runs the engine; call "
                          "hf_dsinfer.serving.tp_worker.run_worker(model) on the other ranks")  # fmt: skip
-    if enable_lora:
-        raise ValueError("enable_lora with tensor parallelism is not supported yet (the adapters' weights are not "
-                         "split over the ranks): serve adapters with tp_size 1, or merge the adapter "
-                         "first")  # fmt: skip
 
 
 class RequestHandle:
@@ -258,7 +255,7 @@ class ServingEngine:
         self.model = model
         tp = tp_group_of(model)
         if tp.size > 1:
-            _check_tp(tp, enable_lora)
+            _check_tp(tp)
         self.runner = PagedRunner(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
         if tp.size > 1:  # rank 0 of a tensor-parallel model: each step goes to the other ranks first (.tp_worker)
             from .tp_worker import channel_for
@@ -290,6 +287,8 @@ class ServingEngine:
         #: the LoRA adapters (None unless ``enable_lora``); a finished request stops holding its adapter.
         self.lora = LoRARegistry(model, max_loras, max_lora_rank) if enable_lora else None
         self.runner.lora = self.lora
+        if self.lora is not None and self.runner.channel is not None:  # the workers build their slots too
+            self.runner.channel.send_lora(("enable", max_loras, max_lora_rank))
         if self.lora is not None:
             self.finish_listeners.append(lambda handle: self.lora.release(getattr(handle, "adapter", None)))
 
@@ -364,7 +363,10 @@ class ServingEngine:
         if self.lora is None:
             raise ValueError("LoRA adapters are not enabled; build the engine with enable_lora=True")
         with self.paused():
-            return self.lora.load(name, path)
+            adapter = self.lora.load(name, path)
+            if self.runner.channel is not None:  # every worker loads its shard into the same slot
+                self.runner.channel.send_lora(("load", name, os.path.abspath(adapter.path), adapter.slot))
+            return adapter
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload adapter ``name`` (refused while unfinished requests use it)."""
@@ -372,6 +374,8 @@ class ServingEngine:
             raise ValueError("LoRA adapters are not enabled; build the engine with enable_lora=True")
         with self.paused():
             self.lora.unload(name)
+            if self.runner.channel is not None:
+                self.runner.channel.send_lora(("unload", name))
 
     def _request_cancel(self, handle: RequestHandle) -> None:
         with self._wake:

@@ -7,6 +7,12 @@ row ranges of the fused qkv, ``gate_proj`` / ``up_proj`` onto the fused gate_up,
 and loads / unloads adapters by name. A request names its adapter; each step the runner gives every token its
 adapter's slot (-1: base) and one forward serves every adapter and the base.
 
+Under tensor parallelism every rank builds its own registry over its shard of the fused linears and loads the same
+folders into the same slots (rank 0 decides, :mod:`.tp_worker` forwards the load / unload); each rank keeps its
+piece of an adapter, cut by the same :class:`~hf_dsinfer.parallel.shard.Shard` that cut the base weight it adapts:
+``B``'s output rows for a column-parallel projection (q/k/v, gate/up), ``A``'s input columns for a row-parallel one
+(o, down; :class:`~hf_dsinfer.modules.lora.MultiLoRALinear` adds the delta before the all-reduce).
+
 An adapter's requests never share KV blocks with another adapter's or the base's (the same prompt gives other keys
 and values): :attr:`LoRAAdapter.key` seeds the prefix keys of its requests, fresh at every load.
 """
@@ -66,6 +72,9 @@ class LoRARegistry:
         #: HF module path (e.g. ``model.layers.0.self_attn.k_proj``) -> (side path, part index).
         self.targets: dict[str, tuple[MultiLoRALinear, int]] = {}
         self.side_paths: list[MultiLoRALinear] = []
+        #: HF module path -> the TP shard of its weight (None: not split, e.g. tp_size 1).
+        self.shards: dict[str, object | None] = {}
+        plan_shards = _tp_shards(model)
         for i, layer in enumerate(record.runtime.layers):
             for attr, fused in FUSED_LINEARS:
                 src = record.weight_maps[i].get(fused)
@@ -83,14 +92,26 @@ class LoRARegistry:
                 setattr(parent, leaf, side)
                 self.side_paths.append(side)
                 for p, n in enumerate(names):
-                    self.targets[f"{record.layers_prefix}.{i}.{n.removesuffix('.weight')}"] = (side, p)
+                    module = f"{record.layers_prefix}.{i}.{n.removesuffix('.weight')}"
+                    shard = plan_shards.get(f"{module}.weight")
+                    # a split must be the fused linear's own kind: rows of a column-parallel one, columns of a
+                    # row-parallel one (an unsplit weight that is reduced would count the delta once per rank);
+                    # anything else (MoE cuts) has no side path
+                    row_parallel = base.reduce is not None
+                    if (shard is None and row_parallel) or (
+                        shard is not None and (shard.inner is not None or shard.dim != int(row_parallel))
+                    ):
+                        continue
+                    self.targets[module] = (side, p)
+                    self.shards[module] = shard
         if not self.targets:
             raise ValueError("this model has no fused linear that can take a LoRA adapter")
 
     # -- adapters --------------------------------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | os.PathLike) -> LoRAAdapter:
-        """Load the peft adapter folder ``path`` (adapter_config.json + adapter_model.safetensors) as ``name``.
+    def load(self, name: str, path: str | os.PathLike, slot: int | None = None) -> LoRAAdapter:
+        """Load the peft adapter folder ``path`` (adapter_config.json + adapter_model.safetensors) as ``name``, into
+        the first free slot (or ``slot``: a tensor-parallel worker takes the one rank 0 chose).
 
         Errors (``ValueError`` naming the setting): a name already loaded, no free slot (``--max-loras``), a rank
         above ``--max-lora-rank``, a module without a side path (embeddings, LM head, MoE experts), DoRA, LoRA
@@ -107,7 +128,10 @@ class LoRARegistry:
                 raise ValueError(f"all {self.max_loras} LoRA slots are in use ({', '.join(self.adapters)}); unload "
                                  "one or raise --max-loras")  # fmt: skip
             parts = self._match(config, tensors, path)
-            slot = free[0]
+            if slot is None:
+                slot = free[0]
+            elif slot not in free:
+                raise ValueError(f"LoRA slot {slot} is not free on this rank (internal error: ranks out of step)")
             for side in self.side_paths:
                 side.clear_slot(slot)
             for (side, p), (a, b, scale) in parts.items():
@@ -142,6 +166,13 @@ class LoRARegistry:
                                  "raise --max-lora-rank")  # fmt: skip
             alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
             scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+            shard = self.shards[module]
+            if shard is not None:  # tensor parallelism: this rank's piece, cut as the base weight was
+                try:
+                    a, b = (shard.narrow(a), b) if shard.dim == 1 else (a, shard.narrow(b))
+                except ValueError as e:
+                    raise ValueError(f"{path}: {module}'s LoRA weights A {tuple(a.shape)} / B {tuple(b.shape)} do "
+                                     f"not fit the model's projection ({e})") from e  # fmt: skip
             out[self.targets[module]] = (a, b, scale)
         if not out:
             raise ValueError(f"{path}: the adapter holds no LoRA weights")
@@ -187,6 +218,14 @@ class LoRARegistry:
     def set_step(self, token_slots: list[int] | None, device: torch.device) -> None:
         """Give this step's tokens their slots (``None`` or all -1: no side path runs)."""
         self.state.set(token_slots, device)
+
+
+def _tp_shards(model: nn.Module) -> dict[str, object]:
+    """HF parameter name -> its tensor-parallel shard (``dim`` 0: output rows, 1: input columns); empty at tp 1."""
+    from ..parallel.apply import PLAN_ATTR
+
+    plan = getattr(model, PLAN_ATTR, None)
+    return {} if plan is None else dict(plan.shards)
 
 
 def _parts(src: object, out_rows: int) -> tuple[list[str] | None, list[int]]:

@@ -184,9 +184,6 @@ def _tp_inference_config(path: str, inference_config: Any, size: int, **kwargs: 
 
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: pass a positive number of processes")
-    if kwargs.get("enable_lora"):
-        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet: serve adapters with "
-                         "--tensor-parallel-size 1, or merge the adapter into the model")  # fmt: skip
     runner = kwargs.get("runner", "auto")
     if (detect_runner(path) if runner == "auto" else runner) == "pooling":
         raise ValueError("--tensor-parallel-size > 1 serves generating models only (--runner generate), not an "

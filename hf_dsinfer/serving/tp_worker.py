@@ -10,8 +10,10 @@ vocab gather are the only other collectives. Only rank 0 samples.
 
 The messages (:class:`StepChannel`): ``SETUP`` (the cache's ``num_blocks``, ``block_size``: a worker builds or reuses
 its runner), ``STEP``, ``STOP`` (ends :func:`run_worker`, carrying a picklable result, e.g. ``generate_batch``'s
-outputs) ``GROW`` (a message longer than the buffer: both sides enlarge it first; rare) and ``NOOP`` (an idle engine's
-keep-alive, every :data:`KEEPALIVE_S` seconds). Everything goes through
+outputs) ``GROW`` (a message longer than the buffer: both sides enlarge it first; rare), ``NOOP`` (an idle engine's
+keep-alive, every :data:`KEEPALIVE_S` seconds) and ``LORA`` (LoRA adapters: rank 0's engine enables them, then
+loads or unloads an adapter folder into the slot it chose; each worker does the same on its shard, see
+:mod:`.lora`; only then, never inside an ordinary step, so a step stays one broadcast). Everything goes through
 torch.distributed (gloo on CPU, NCCL on GPU); there is no transport of our own.
 
 Use::
@@ -46,13 +48,14 @@ from .runner import PagedRunner, StepInputs, tp_group_of
 
 __all__ = ["StepChannel", "channel_for", "run_worker", "tp_generate_batch"]
 
-SETUP, STEP, STOP, GROW, NOOP = 1, 2, 3, 4, 5
+SETUP, STEP, STOP, GROW, NOOP, LORA = 1, 2, 3, 4, 5, 6
 #: An idle engine's stepping thread sends a ``NOOP`` this often, so that idle workers' waits stay under the process
 #: group's timeout (a broadcast to a dead worker fails then, too).
 KEEPALIVE_S = 60.0
 _CAPACITY = 1 << 12  # int64 entries of the first buffer (32 KiB): a step of 256 tokens and 64 short requests fits
 _CHANNEL_ATTR = "_dsinfer_step_channel"
 _WORKER_ATTR = "_dsinfer_worker_runner"
+_LORA_ATTR = "_dsinfer_worker_lora"
 
 
 class StepChannel:
@@ -114,16 +117,19 @@ class StepChannel:
 
     def send_stop(self, result: Any = None) -> None:
         """End the workers' :func:`run_worker`, which returns ``result`` (pickled)."""
-        data = pickle.dumps(result)
-        padded = data + b"\0" * (-len(data) % 8)
-        words = torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.empty(0, dtype=torch.long)
-        self._send(STOP, torch.cat([torch.tensor([len(data)]), words]), keep=False)
+        self._send(STOP, _pickled(result), keep=False)
         self.attached = None
+
+    def send_lora(self, op: tuple) -> None:
+        """A LoRA operation every worker repeats on its shard: ``("enable", max_loras, max_lora_rank)``, ``("load",
+        name, path, slot)`` or ``("unload", name)`` (rank 0, between two steps, after doing it itself)."""
+        self._send(LORA, _pickled(op), keep=False)
 
     # -- the other ranks ---------------------------------------------------------------------------------------------
 
     def receive(self) -> tuple[int, Any]:
-        """The next message: ``(SETUP, (num_blocks, block_size))``, ``(STEP, StepInputs)`` or ``(STOP, result)``."""
+        """The next message: ``(SETUP, (num_blocks, block_size))``, ``(STEP, StepInputs)``, ``(LORA, op)`` or
+        ``(STOP, result)``."""
         standing = None  # the buffer to go back to after a one-off larger message
         while True:
             dist.broadcast(self.buffer, src=self.tp.first_global_rank, group=self.tp.group)
@@ -143,10 +149,18 @@ class StepChannel:
                 return kind, tuple(payload.tolist())
             if kind == STEP:
                 return kind, decode_step(payload)
-            if kind == STOP:  # pickled by rank 0 of our own process group (torch's broadcast_object_list does the same)
+            if kind in (STOP, LORA):  # pickled by rank 0 of our own process group (as broadcast_object_list does)
                 size = int(payload[0])
                 return kind, pickle.loads(payload[1:].numpy().tobytes()[:size])
             raise RuntimeError(f"tensor-parallel worker: unknown message kind {kind} from rank 0 (internal error)")
+
+
+def _pickled(value: Any) -> torch.Tensor:
+    """``[byte length, int64 words...]`` of ``pickle.dumps(value)``."""
+    data = pickle.dumps(value)
+    padded = data + b"\0" * (-len(data) % 8)
+    words = torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.tensor([len(data)]), words])
 
 
 def encode_step(step: StepInputs) -> torch.Tensor:
@@ -197,6 +211,29 @@ def _worker_runner(model: nn.Module, num_blocks: int, block_size: int) -> PagedR
     return runner
 
 
+def _worker_lora(model: nn.Module, op: tuple) -> Any:
+    """Repeat rank 0's LoRA operation ``op`` (:meth:`StepChannel.send_lora`) on this rank's shard; returns the
+    rank's registry (kept on the model: it outlives one engine's workers loop, as rank 0's engine does)."""
+    from .lora import LoRARegistry
+
+    what, *args = op
+    if what == "enable":  # a new engine with adapters: fresh slots over the fused linears, as rank 0's
+        registry = LoRARegistry(model, *args)
+        object.__setattr__(model, _LORA_ATTR, registry)
+        return registry
+    registry = getattr(model, _LORA_ATTR, None)
+    if registry is None:
+        raise RuntimeError(f"tensor-parallel worker: LoRA {what!r} before adapters were enabled (internal error)")
+    if what == "load":
+        name, path, slot = args
+        registry.load(name, path, slot=slot)
+    elif what == "unload":
+        registry.unload(args[0])
+    else:
+        raise RuntimeError(f"tensor-parallel worker: unknown LoRA operation {what!r} (internal error)")
+    return registry
+
+
 @torch.no_grad()
 def run_worker(model: nn.Module) -> Any:
     """Run the steps rank 0's engine sends, on this rank's shard, until rank 0 stops the workers; returns what rank 0
@@ -211,8 +248,13 @@ def run_worker(model: nn.Module) -> Any:
         kind, value = channel.receive()
         if kind == STOP:
             return value
-        if kind == SETUP:
+        if kind == LORA:
+            lora = _worker_lora(model, value)
+            if runner is not None:
+                runner.lora = lora
+        elif kind == SETUP:
             runner = _worker_runner(model, *value)
+            runner.lora = getattr(model, _LORA_ATTR, None)
         elif runner is None:
             raise RuntimeError("tensor-parallel worker: a step came before the cache setup (internal error)")
         else:
