@@ -158,6 +158,18 @@ else:
                                 out_features), lib=_LIB)  # fmt: skip
 
 
+# ``materialize(x)``: a copy of ``x`` that inductor cannot see through (an opaque op), so the producer of ``x`` is
+# computed once into a buffer instead of being fused into, and recomputed by, every consumer loop (the fused
+# dequantize-and-reduce matmul below).
+try:
+    _LIB.define("materialize(Tensor x) -> Tensor")
+except RuntimeError:  # pragma: no cover - defined already (the module imported twice under two names)
+    pass
+else:
+    _LIB.impl("materialize", lambda x: x.clone(), "CPU")
+    torch.library.register_fake("hf_dsinfer::materialize", lambda x: torch.empty_like(x), lib=_LIB)
+
+
 def _fp16_weight_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x [M, K]`` fp32 times the fbgemm-packed fp16 weight: ``[M, out_features]`` fp32."""
     if torch.compiler.is_compiling():
@@ -422,6 +434,9 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
         xc = x2.to(torch.float32)
         if packed.k_padded != packed.in_features:
             xc = F.pad(xc, (0, packed.k_padded - packed.in_features))
+        # A barrier: without it inductor inlines the producer of x (the RMSNorm, even the embedding gather) into the
+        # reduction and recomputes it for every output row: 2x slower steps on SmolLM2 (docs/performance.md).
+        xc = torch.ops.hf_dsinfer.materialize(xc)
         y = (w * xc.view(-1, 1, groups, gs)).sum(dim=(-2, -1))  # [M, N]
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
