@@ -189,6 +189,17 @@ def test_tp1_reference_equals_peft_alone(folders, run):
         assert tokens == want, f"adapter {adapter}: tokens differ from peft"
 
 
+@pytest.mark.slow
+def test_four_ranks_uneven_heads_and_replicated_kv_equal_tp1(folders, run, tmp_path):
+    """4 gloo ranks: 2 / 1 local q heads and each KV head held by 2 ranks, so B's q/k/v rows are cut unevenly and
+    the k/v rows repeated; the same requests give tp=1's tokens."""
+    _, base, dirs = folders
+    _, ref = run
+    got = launch({"base": base, "dirs": dirs}, str(tmp_path), world=4, timeout=TIMEOUT_S, script=__file__)
+    assert [_ok(r) for r in got[1:]] == [{"worker": True}] * 3
+    assert _ok(got[0])["mix"] == ref["mix"] and got[0]["late"] == ref["late"], "4-rank tokens differ from tp=1"
+
+
 # -- hf-dsinfer serve -tp 2 --enable-lora ------------------------------------------------------------------------------
 
 
