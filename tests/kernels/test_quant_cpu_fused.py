@@ -49,3 +49,36 @@ def test_compiled_fused_dequant_matches_reference(name, rows, monkeypatch):
     torch.testing.assert_close(got, want, **EXACT)
     assert calls == [rows <= quant_cpu.FUSED_DEQUANT_MAX_ROWS]  # traced once; the fused branch only for few rows
     assert not quant_cpu._fuse_dequant(packed, 1)  # eager: never (it would materialize [M, N, K])
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_decode_step_with_the_q4_1_grid_equals_eager(tmp_path, monkeypatch):
+    """End to end: a tiny llama with int4 groups of 32 and float zeros (the fused path, behind the materialize
+    barrier) generates in the compiled step exactly the tokens of the eager step, at batch 1 and 3."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dsinfer.integration.engine import init_inference
+    from tests.tiny_models import save_tiny
+
+    folder = save_tiny("llama", tmp_path / "tiny")
+    quant = {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
+                                         "zero_point": "float"}}  # fmt: skip
+
+    def run(compile_mode: str, ids: torch.Tensor) -> torch.Tensor:
+        monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", compile_mode)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = init_inference(model, quant=quant, dtype="fp32", replace_with_kernel_inject=True, max_batch_size=4,
+                               keep_module_on_host=True, max_out_tokens=40, cpu_compile=True).module  # fmt: skip
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             min_new_tokens=12, do_sample=False, pad_token_id=0)  # fmt: skip
+        if compile_mode == "sync":
+            from hf_dsinfer.generation.api import GEN_ATTR
+
+            compiled = getattr(model, GEN_ATTR).step.compiled
+            assert compiled.compile_s and not compiled.failed, "the decode step did not run compiled"
+        return out
+
+    batch3 = torch.randint(3, 400, (3, 6), generator=torch.Generator().manual_seed(1))
+    for ids in (torch.tensor([[5, 9, 13, 2, 7]]), batch3):
+        assert torch.equal(run("sync", ids), run("0", ids))
