@@ -101,3 +101,29 @@ def test_release_cache_drops_decode_graphs_and_cache():
         state.graphs.runner = CapturedRunner()
     assert not cache.keys, "release_inference_cache=True frees the KV cache when leaving inference"
     assert resets and state.graphs.runner is None, "graphs over the freed cache must be dropped"
+
+
+def test_cpu_draw_follows_softmax_and_never_picks_removed_tokens(monkeypatch):
+    """The fast loop's CPU draw (one uniform per row against the float64 CDF, generation/processors.py): frequencies
+    equal ``softmax(scores)`` within sampling noise, removed (-inf) tokens are never drawn, a seeded generator repeats
+    its draws, a uniform rounding up to the total falls back to the last possible token, and a row with every token
+    removed is refused as ``torch.multinomial`` (HF's draw) refuses it."""
+    from hf_dsinfer.generation.processors import _inverse_cdf_draw
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 40, generator=g) * 2
+    scores[:, 5:15] = float("-inf")
+    scores[:, -3:] = float("-inf")  # trailing removed tokens: the fallback must not land on them
+    n = 30_000
+    draws = _inverse_cdf_draw(scores.repeat(n, 1), torch.Generator().manual_seed(1)).view(n, 3)  # [n, 3]
+    freq = torch.stack([torch.bincount(draws[:, r], minlength=40) for r in range(3)]).float() / n  # [3, 40]
+    probs = scores.softmax(dim=-1)
+    assert freq[:, 5:15].sum() == 0 and freq[:, -3:].sum() == 0
+    assert (freq - probs).abs().max() < 4 * (0.25 / n) ** 0.5  # 4 sigma of the worst-case binomial noise
+    again = _inverse_cdf_draw(scores.repeat(n, 1), torch.Generator().manual_seed(1)).view(n, 3)
+    assert torch.equal(draws, again)
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1.0, dtype=kw.get("dtype")))
+    assert _inverse_cdf_draw(scores, None).tolist() == [36, 36, 36], "u == total: the last token with probability"
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="inf or nan"):
+        _inverse_cdf_draw(torch.full((1, 8), float("-inf")), None)
