@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from hf_dsinfer.serving.blocks import BlockManager, OutOfBlocks, prefix_keys
-from hf_dsinfer.serving.engine import RequestHandle
+from hf_dsinfer.serving.handle import RequestHandle
 from hf_dsinfer.serving.requests import SamplingParams, Sequence
 from hf_dsinfer.serving.scheduler import Scheduler
 

@@ -5,7 +5,8 @@
 ``last_batch_stats(model)`` returns the stats of the model's last ``generate_batch`` call.
 """
 
-from .engine import FINISH_REASONS, RequestHandle, ServingEngine, ServingStats
+from .engine import ServingEngine, ServingStats
+from .handle import FINISH_REASONS, RequestHandle
 from .hf_api import last_batch_stats
 
 __all__ = ["FINISH_REASONS", "RequestHandle", "ServingEngine", "ServingStats", "last_batch_stats"]

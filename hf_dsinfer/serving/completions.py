@@ -20,7 +20,7 @@ from typing import Any
 
 from ..log import access_logger, logger
 from .detokenizer import IncrementalDetokenizer
-from .engine import RequestHandle, ServingEngine
+from .engine import ServingEngine
 from .engine_requests import (
     PromptSet,
     chat_prompt,
@@ -29,6 +29,7 @@ from .engine_requests import (
     model_sampling_defaults,
     sampling_params,
 )
+from .handle import RequestHandle
 from .http_common import RequestError, json_body, model_not_found
 from .protocol import ParsedRequest, parse_request
 from .responses import ChoiceState, chat_logprobs, completion_logprobs, vllm_prompt_logprobs

@@ -71,7 +71,7 @@ def _tokenizer_vocab(model: nn.Module) -> dict[str, int] | None:
     """The token-to-id map of the tokenizer saved beside ``model`` (None when there is none to read)."""
     import transformers
 
-    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "name_or_path", None)
     if not path:
         return None
     try:

@@ -37,7 +37,8 @@ from torch import nn
 
 from ..log import logger, warn_once
 from ..policies.injection import get_injection
-from .engine import RequestHandle, ServingEngine, ServingStats
+from .engine import ServingEngine, ServingStats
+from .handle import RequestHandle
 from .padded import padded_generate_batch
 from .requests import SamplingParams
 from .runner import tp_group_of, unsupported_reason

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import RequestHandle
+    from .handle import RequestHandle
 
 #: Most log-probs a request may ask for per token (vLLM's default ``max_logprobs``, OpenAI's ``top_logprobs`` limit).
 MAX_LOGPROBS = 20
