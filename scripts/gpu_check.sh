@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Validate a GPU machine in one command (<= 9 minutes on one H100): the CUDA tests, the kernel benchmarks, the
-# end-to-end benchmark on the Llama-3-8B shape (bf16, batch 1 and 32, random weights) and the Hybrid Engine
-# benchmark, then one report (OUT/report.md + OUT/report.json: device, date, versions, every figure, pass/fail).
+# end-to-end benchmark on the Llama-3-8B shape (bf16, batch 1 and 32, random weights), the Hybrid Engine
+# benchmark and the serving benchmark (continuous batching against transformers' generate_batch, OPT-1.3B shape),
+# then one report (OUT/report.md + OUT/report.json: device, date, versions, every figure, pass/fail).
 #
 #   scripts/gpu_check.sh [--out DIR] [--dry-run] [--no-install]
 #
 # It uses the machine's own torch / triton / transformers: when hf_dsinfer does not import, only the project is
 # installed (`pip install --no-deps -e .`). Each step runs under its own time limit (a step past it is reported as
-# a timeout); the limits add up to 8.5 minutes. --dry-run records the steps without running them (the report
+# a timeout); the limits add up to 9 minutes. --dry-run records the steps without running them (the report
 # writer and this script are tested that way on CPU). Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +60,7 @@ EOF
 
 "$PY" scripts/gpu_check_report.py env "$OUT/env.json"
 export PYTHONUNBUFFERED=1
-step pytest_cuda 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml"
+step pytest_cuda 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml"
 step kernel_bench 90 "$PY" -m hf_dsinfer.kernels.bench --dtype bf16 --json "$OUT/kernels.json"
 step bench_llama3_8b 180 "$PY" -m hf_dsinfer bench --preset llama3-8b --batch-sizes 1,32 --dtype bf16 \
     --prompt-len 128 --new-tokens 64 --repeats 2 --out "$OUT"
@@ -70,4 +71,5 @@ step bench_llama3_8b 180 "$PY" -m hf_dsinfer bench --preset llama3-8b --batch-si
 # the GRPO shape runs on the real SmolLM2 with `bench --hybrid --preset smollm2-real --batch-sizes 32`.
 step bench_hybrid 90 "$PY" -m hf_dsinfer bench --hybrid --preset opt-1.3b --batch-sizes 8 --dtype bf16 \
     --prompt-len 128 --new-tokens 64 --repeats 2 --out "$OUT"
+step bench_serving 60 "$PY" -m hf_dsinfer bench --serve --preset opt-1.3b --repeats 1 --out "$OUT"
 "$PY" scripts/gpu_check_report.py report "$OUT"

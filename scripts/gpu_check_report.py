@@ -23,6 +23,9 @@ GOALS = (
     ("batch-1 decode >= 90% of the in-run copy bandwidth", "pct_copy_bw_b1", 90.0),
     ("batch-1 decode >= 1.4x HF static+compile", "speedup_vs_compile_b1", 1.4),
     ("batch-32 decode >= 1.3x HF static+compile", "speedup_vs_compile_b32", 1.3),
+    # issue 33: continuous batching on the fused layers (paged Triton kernels) against transformers' own
+    # generate_batch, 64 mixed requests arriving at once (bench --serve, the step bench_serving)
+    ("serving: continuous batching >= 1.5x transformers' generate_batch tokens/s", "serving_vs_hf_cb", 1.5),
 )
 
 
@@ -100,6 +103,15 @@ def _bench_goals(bench: dict | None) -> dict[str, float | None]:
     return out
 
 
+def _serving_goal(serve: dict | None) -> float | None:
+    """Continuous batching's tokens/s over transformers' generate_batch on the mixed requests arriving at once."""
+    rows = {(r["workload"], r["contender"]): r for r in (serve or {}).get("rows", [])}
+    ours, hf = rows.get(("mixed, at once", "cb")), rows.get(("mixed, at once", "hf_cb"))
+    if not (ours and hf and ours.get("tokens_per_s") and hf.get("tokens_per_s")):
+        return None
+    return round(ours["tokens_per_s"] / hf["tokens_per_s"], 3)
+
+
 def _table(rows: list[dict], cols: list[str] | None = None) -> list[str]:
     if not rows:
         return ["(no rows)"]
@@ -123,7 +135,8 @@ def build_report(out: Path) -> dict:
         s["status"] = "dry-run" if s.get("dry_run") else ("pass" if s["rc"] == 0 else
                                                           "timeout" if s["rc"] in (124, 137) else "fail")
     bench = _load_json(out / "bench-llama3-8b.json")
-    goals = _bench_goals(bench)
+    serve = next((_load_json(f) for f in sorted(out.glob("serve-opt-1.3b-t*.json"))), None)
+    goals = {**_bench_goals(bench), "serving_vs_hf_cb": _serving_goal(serve)}
     return {
         "env": env,
         "dry_run": dry,
@@ -133,6 +146,7 @@ def build_report(out: Path) -> dict:
         "kernels": _load_json(out / "kernels.json"),
         "bench_llama3_8b": bench,
         "bench_hybrid": _load_json(out / "bench-hybrid-opt-1.3b.json"),
+        "bench_serving": serve,
         "goals": [{"goal": text, "value": goals[key], "target": target,
                    "met": None if goals[key] is None else goals[key] >= target} for text, key, target in GOALS],
     }  # fmt: skip

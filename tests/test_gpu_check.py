@@ -32,7 +32,7 @@ def test_script_parses_and_dry_run_writes_the_report(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["dry_run"] and rep["passed"]
     names = [s["name"] for s in rep["steps"]]
-    assert names == ["pytest_cuda", "kernel_bench", "bench_llama3_8b", "bench_hybrid"]
+    assert names == ["pytest_cuda", "kernel_bench", "bench_llama3_8b", "bench_hybrid", "bench_serving"]
     assert sum(s["limit_s"] for s in rep["steps"]) <= 9 * 60  # the whole check fits the 9-minute budget
     cmds = {s["name"]: s["command"] for s in rep["steps"]}
     assert "-m cuda" in cmds["pytest_cuda"]
@@ -68,6 +68,10 @@ def test_report_collects_figures_failures_and_goals(tmp_path):
     ]
     (tmp_path / "bench-llama3-8b.json").write_text(json.dumps({"settings": {"prompt_len": 128}, "copy_gbs": 10.0,
                                                                "rows": rows}))  # fmt: skip
+    serve_rows = [{"workload": "mixed, at once", "contender": "hf_cb", "tokens_per_s": 400.0},
+                  {"workload": "mixed, at once", "contender": "cb", "tokens_per_s": 700.0},
+                  {"workload": "mixed, poisson 8.0/s", "contender": "cb", "tokens_per_s": 1.0}]  # fmt: skip
+    (tmp_path / "serve-opt-1.3b-t16.json").write_text(json.dumps({"rows": serve_rows}))
     (tmp_path / "kernels.json").write_text(json.dumps({"dtype": "bf16", "copy_gbs": 10.0,
                                                        "rows": [{"kernel": "rms_norm", "triton_ms": 0.01}]}))
     assert mod.main(["report", str(tmp_path)]) == 1  # a failed step fails the check
@@ -78,6 +82,8 @@ def test_report_collects_figures_failures_and_goals(tmp_path):
     goals = {g["goal"]: g for g in rep["goals"]}
     assert goals["batch-1 decode >= 90% of the in-run copy bandwidth"]["met"] is True
     assert goals["batch-1 decode >= 1.4x HF static+compile"]["value"] == 1.5
+    serving = goals["serving: continuous batching >= 1.5x transformers' generate_batch tokens/s"]
+    assert serving["value"] == 1.75 and serving["met"] is True  # 700 / 400 on the requests arriving at once
     assert goals["batch-32 decode >= 1.3x HF static+compile"]["met"] is False  # 1.2x
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# GPU check: FAIL") and "Test GPU" in md and "tests.test_a::test_bad" in md
