@@ -48,13 +48,14 @@ def parse_points(text: str) -> tuple[tuple[int, int], ...]:
 
 def _models(preset: str):
     """``{"HF sdpa": model, "hf_dsinfer": model}`` of ``preset`` (trained weights for smollm2-real), fp32, eval."""
+    from ..hf_compat import set_config_attn_implementation
     from ..integration.engine import init_inference
     from .decode import preset_config, preset_model
 
     config = preset_config(preset)
-    config._attn_implementation = "sdpa"
+    set_config_attn_implementation(config, "sdpa")
     hf = preset_model(preset, config, torch.device("cpu"), torch.float32, seed=0)
-    hf.config._attn_implementation = "sdpa"
+    set_config_attn_implementation(hf.config, "sdpa")
     twin = preset_model(preset, config, torch.device("cpu"), torch.float32, seed=0)
     ours = init_inference(twin, dtype="fp32", replace_with_kernel_inject=True, keep_module_on_host=True,
                           max_out_tokens=config.max_position_embeddings).module  # fmt: skip
