@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ import transformers
 from tiny_models import save_tiny
 
 from hf_dsinfer.cli import main
-from hf_dsinfer.generation import compiled_cpu
 from hf_dsinfer.generation.api import GEN_ATTR
 from hf_dsinfer.log import LOGGER_NAME
 
@@ -169,15 +167,11 @@ def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplo
 
         model = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, inference_config=config)
         compiled = getattr(model, GEN_ATTR).step.compiled
-        before = sys.getswitchinterval()
         assert torch.equal(model.generate(ids, **kwargs), want)  # eager steps while compiling (or swapped in)
-        if compiled.pending:  # the eager steps take the GIL back sooner while the compile thread runs
-            assert sys.getswitchinterval() == pytest.approx(min(before, compiled_cpu.COMPILE_SWITCH_INTERVAL_S))
         notices = [r for r in caplog.records if "compiling the CPU decode step for batch 1" in r.getMessage()]
         assert len(notices) == 1 and notices[0].levelno == logging.WARNING
         assert "in the background" in notices[0].getMessage() and "'cpu_compile': False" in notices[0].getMessage()
         assert compiled.wait(timeout=600) and not compiled.failed and set(compiled.compile_s) == {1}
-        assert sys.getswitchinterval() == pytest.approx(before)  # restored once no compile runs
         replays = compiled.runner.stats.replays
         assert torch.equal(model.generate(ids, **kwargs), want)  # compiled now
         assert compiled.runner.stats.replays == replays + 11  # every decode step ran compiled

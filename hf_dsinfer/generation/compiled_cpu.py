@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import time
 import types
@@ -71,30 +70,6 @@ _DRY_RUN = threading.local()  # .on: the compiled code called by a background co
 #: the TP example. So the process waits for them at exit (:func:`_join_background_compiles`), with one line saying why.
 _BACKGROUND: set[threading.Thread] = set()
 EXIT_WAIT_S = 600.0  # at most this long: a compile that is still running then is left to the interpreter
-
-
-#: The interpreter's switch interval while a background compile runs (seconds; CPython's default is 0.005). Each torch
-#: op of the eager steps releases the GIL and takes it back; with Dynamo tracing in the compile thread, taking it back
-#: waits for the switch interval before asking the holder to let go, so a step of hundreds of ops loses up to 5 ms per
-#: op. A shorter interval bounds that wait (the compile thread is asked to switch more often; it runs a little slower).
-COMPILE_SWITCH_INTERVAL_S = 2e-4
-_switch = {"compiles": 0, "before": None}  # background compiles running, and the interval they replaced
-_switch_lock = threading.Lock()
-
-
-def _compile_started() -> None:
-    with _switch_lock:
-        if _switch["compiles"] == 0:
-            _switch["before"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(COMPILE_SWITCH_INTERVAL_S, _switch["before"]))
-        _switch["compiles"] += 1
-
-
-def _compile_ended() -> None:
-    with _switch_lock:
-        _switch["compiles"] -= 1
-        if _switch["compiles"] == 0 and _switch["before"] is not None:
-            sys.setswitchinterval(_switch["before"])  # the user's own setting (or the default) again
 
 
 def _join_background_compiles() -> None:
@@ -275,7 +250,6 @@ class CompiledCPUDecode:
         )
         self._pending[bucket] = thread
         _BACKGROUND.add(thread)
-        _compile_started()  # the eager steps take the GIL back sooner while it runs (ended in _compile_dry)
         thread.start()
 
     def _compile_dry(self, bucket: int, args: tuple, grad: bool) -> None:
@@ -293,7 +267,6 @@ class CompiledCPUDecode:
         finally:
             _DRY_RUN.on = False
             _BACKGROUND.discard(threading.current_thread())
-            _compile_ended()
 
     def _eager_until_it_pays(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``cpu_compile="auto"``: an eager step, timed; the bucket's compile starts once they add up to
