@@ -237,3 +237,18 @@ def test_exit_waits_for_a_background_compile(caplog):
         assert any("waiting for 1 background compile" in r.getMessage() for r in caplog.records)
     finally:
         compiled_cpu._BACKGROUND.discard(thread)
+
+
+def test_eager_steps_leave_a_core_to_a_background_compile():
+    """While a background compile runs, the eager steps use one thread fewer (never zero), restored after."""
+    from hf_dsinfer.generation import compiled_cpu
+
+    before = torch.get_num_threads()
+    try:
+        for threads, inside in ((2, 1), (3, 2), (1, 1)):
+            torch.set_num_threads(threads)
+            with compiled_cpu._leave_a_core():
+                assert torch.get_num_threads() == inside
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
