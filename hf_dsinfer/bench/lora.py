@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .report import loadavg_text
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -77,7 +79,7 @@ def run(base: str, adapters: dict[str, str], inference_config: dict, requests: i
     tokens = requests * new_tokens
     rows = []
     for r in range(rounds):
-        row: dict[str, Any] = {"round": r, "loadavg": _loadavg()}
+        row: dict[str, Any] = {"round": r, "loadavg": loadavg_text()}
         outs = {}
         for contender in (("mixed", "merged_in_turn") if r % 2 == 0 else ("merged_in_turn", "mixed")):
             if contender == "mixed":
@@ -151,14 +153,6 @@ def _merged(base, adapters, inference_config, work, names, greedy, new_tokens
             merged_out[i] = toks
         del engine, model
     return merged_s, load_s, merged_out
-
-
-def _loadavg() -> str | None:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> dict:

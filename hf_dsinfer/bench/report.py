@@ -14,6 +14,15 @@ from typing import Any
 NOISY_SPREAD = 1.3  # max/min decode tokens/s over the repeats above which a row is flagged as noisy
 
 
+def loadavg_text() -> str | None:
+    """The 1, 5 and 15-minute load averages as ``/proc/loadavg`` writes them ("0.52 0.61 0.70"), or None."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return None
+
+
 def error_text(e: BaseException) -> str:
     """``Type: first line of the message`` (at most 160 characters): what a failed row shows."""
     first = str(e).splitlines()[0][:160] if str(e) else ""

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .report import loadavg_text
+
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog near the river bank, while the old farmer watches from his porch "
     "and counts the clouds drifting over the hills.",
@@ -101,14 +103,6 @@ def run(model: Any, tok: Any, rounds: int, new_tokens: int) -> dict:
     }
 
 
-def _loadavg() -> str | None:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Command line: load the model (fused, fp32 by default), run, print and optionally write the report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -128,10 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model_name(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, inference_config={"dtype": args.dtype}).eval()
-    t0, load = time.perf_counter(), _loadavg()
+    t0, load = time.perf_counter(), loadavg_text()
     report = run(model, tok, args.rounds, args.new_tokens)
     report["settings"].update(model=path, wall_s=round(time.perf_counter() - t0, 1), loadavg_start=load,
-                              loadavg_end=_loadavg())  # fmt: skip
+                              loadavg_end=loadavg_text())  # fmt: skip
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=2))
     if args.json:
         with open(args.json, "w") as f:
