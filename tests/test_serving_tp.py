@@ -297,6 +297,16 @@ def _health(root: str) -> int:
         return 0
 
 
+def wait_healthy(root: str, procs: list[subprocess.Popen], timeout: float = 240.0) -> None:
+    """Until ``root``'s /health answers 200; fails with the output of a process in ``procs`` that exited first."""
+    deadline = time.monotonic() + timeout
+    while _health(root) != 200:
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, dead[0].stdout.read()
+        assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
+        time.sleep(0.5)
+
+
 def _answers(base: str) -> list[tuple[str, str]]:
     """Greedy and seeded-sampling completions of SERVE_PROMPTS through the openai client: (text, finish_reason)."""
     openai = pytest.importorskip("openai")
@@ -323,11 +333,7 @@ def test_serve_tensor_parallel_size_2_answers_as_tp1_and_stops_its_worker(tmp_pa
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while _health(root) != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
-            time.sleep(0.5)
+        wait_healthy(root, [proc])
         workers = _children(proc.pid)
         assert len(workers) == 1, f"one worker process expected, found {workers}"
         got = _answers(root + "/v1")
@@ -377,11 +383,7 @@ def test_serve_clean_shutdown_leaves_no_worker(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline = time.monotonic() + 240
-        while _health(root) != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
-            time.sleep(0.5)
+        wait_healthy(root, [proc])
         workers = _children(proc.pid)
         body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
         req = urllib.request.Request(root + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -426,11 +428,7 @@ def test_serve_under_torchrun_rank0_serves_and_rank1_works(tmp_path):
                "MASTER_PORT": str(master)}  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
     try:
-        deadline = time.monotonic() + 240
-        while _health(root) != 200:
-            assert all(p.poll() is None for p in procs), procs[0].stdout.read() + procs[1].stdout.read()
-            assert time.monotonic() < deadline, "the torchrun-style server did not come up"
-            time.sleep(0.5)
+        wait_healthy(root, procs)
         assert _children(procs[0].pid) == [], "under torchrun the server starts no worker of its own"
         body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
         req = urllib.request.Request(root + "/v1/completions", data=body, headers={"Content-Type": "application/json"})

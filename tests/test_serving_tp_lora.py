@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import traceback
 
 import pytest
@@ -232,7 +231,7 @@ def _swap(base_url: str, late: str) -> list[str]:
 
 def test_serve_tp2_with_lora_modules_answers_as_tp1(folders, tmp_path):
     pytest.importorskip("fastapi")
-    from test_serving_tp import _health
+    from test_serving_tp import wait_healthy
 
     from hf_dsinfer.serving.serve_cli import build_server
 
@@ -249,11 +248,7 @@ def test_serve_tp2_with_lora_modules_answers_as_tp1(folders, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     names = ["tiny-llama", "every", "qv_down"]
     try:
-        deadline = time.monotonic() + 240
-        while _health(root) != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the tensor-parallel server did not come up"
-            time.sleep(0.5)
+        wait_healthy(root, [proc])
         got = _answers(root + "/v1", names) + _swap(root + "/v1", dirs["late"])
         torch.set_num_threads(1)
         server = build_server(path, {"dtype": "fp32"}, max_model_len=64, enable_lora=True, max_lora_rank=8,
