@@ -29,8 +29,9 @@ The serving engine packs its tokens of different requests into one ``[1, T, C]``
 :func:`ragged_rows`, where those T tokens count as T rows, so 4-32 decoding requests take the packed GEMM too.
 
 Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU (or serving 4 or more
-requests at once) holds its linear and LM-head weights twice (the embedding is not packed). ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read
-before every step); :func:`packed_bytes` tells what the cache holds.
+requests at once) holds its linear and LM-head weights twice (the embedding is not packed).
+``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read before every step); :func:`packed_bytes` tells
+what the cache holds.
 """
 
 from __future__ import annotations
