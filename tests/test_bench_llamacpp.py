@@ -8,11 +8,11 @@ import importlib.util
 
 import pytest
 import torch
+from tiny_models import save_tiny
 
 from hf_dsinfer.bench import llamacpp
 from hf_dsinfer.bench.cli import add_bench_arguments, bench_main
 from hf_dsinfer.real_model import SMOLLM2_INSTALL, smollm2_available
-from tests.tiny_models import save_tiny
 
 HAVE_PEER = importlib.util.find_spec("xllamacpp") is not None and llamacpp.peer_unavailable() is None
 

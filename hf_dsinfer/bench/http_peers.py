@@ -81,7 +81,7 @@ def peer_command(name: str, model: str, gguf: str | None, threads: int, max_mode
             argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), *host, "--n_threads", str(threads),
                     "--n_ctx", str(max_model_len), "--model_alias", "bench"]  # fmt: skip
         else:  # llama.cpp's own C++ server, prebuilt in the xllamacpp wheel (.llamacpp_server)
-            if importlib.util.find_spec("xllamacpp") is None:
+            if reason is None and importlib.util.find_spec("xllamacpp") is None:
                 reason = ("neither llama-cpp-python nor xllamacpp is installed (pip install xllamacpp, or "
                           "pip install -e '.[peers]'; llama-cpp-python[server] compiles llama.cpp)")  # fmt: skip
             argv = [sys.executable, "-m", "hf_dsinfer.bench.llamacpp_server", "--model", str(gguf), "--port", str(port),

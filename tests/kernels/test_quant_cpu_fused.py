@@ -56,10 +56,15 @@ def test_compiled_fused_dequant_matches_reference(name, rows, monkeypatch):
 def test_compiled_decode_step_with_the_q4_1_grid_equals_eager(tmp_path, monkeypatch):
     """End to end: a tiny llama with int4 groups of 32 and float zeros (the fused path, behind the materialize
     barrier) generates in the compiled step exactly the tokens of the eager step, at batch 1 and 3."""
+    import os
+    import sys
+
     from transformers import AutoModelForCausalLM
 
     from hf_dsinfer.integration.engine import init_inference
-    from tests.tiny_models import save_tiny
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tiny_models import save_tiny
 
     folder = save_tiny("llama", tmp_path / "tiny")
     quant = {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
