@@ -196,9 +196,6 @@ def verify(logits: torch.Tensor, entries: list[tuple[Sequence, list[int]]], acce
     return out
 
 
-verify_greedy = verify  # the former name (greedy only), for code written against it
-
-
 def _verify_processed(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[int, int]:
     """``(proposals accepted, next token)`` for a request with its own pipeline; ``logits [1 + k, V]`` raw."""
     for j in range(len(draft) + 1):
