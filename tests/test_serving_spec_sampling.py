@@ -20,6 +20,7 @@ import transformers
 from tiny_models import PAD, load_pair, prompts, save_tiny
 
 import hf_dsinfer  # noqa: F401 - registers inference_config=
+from hf_dsinfer.log import LOGGER_NAME
 from hf_dsinfer.serving import ServingEngine
 from hf_dsinfer.serving.requests import SamplingParams, Sequence
 from hf_dsinfer.serving.sampling import select_tokens
@@ -206,7 +207,7 @@ def test_a_draft_without_a_policy_runs_unfused_with_a_warning(llama, tmp_path, c
     make_tokenizer().save_pretrained(tmp_path)
     reqs = [r for r in requests() if not r[1].do_sample]
     plain, _ = run(opt, reqs)
-    with caplog.at_level("WARNING", logger="hf_dsinfer"):
+    with caplog.at_level("WARNING", logger=LOGGER_NAME):
         spec, stats = run(opt, reqs, {"model": str(tmp_path), "num_speculative_tokens": 2})
     assert spec == plain and stats.spec_decode_num_draft_tokens > 0
     assert "runs unfused" in caplog.text
