@@ -4,15 +4,16 @@
 few ints; the tensors can be registered as non-persistent buffers and the object rebuilt from them with
 :meth:`CpuPackedWeight.from_buffers`); :func:`cpu_quant_matmul` multiplies with it. Kinds:
 
-* ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.fbgemm_pack_gemm_matrix_fp16`` /
-  ``torch.fbgemm_linear_fp16_weight_fp32_activation``, vectorized on AVX2; 2 bytes per weight). Per channel it
+* ``fp16gemm``: fbgemm's fp16-weight GEMM for fp32 activations (``torch.ops.quantized.linear_prepack_fp16`` /
+  ``linear_dynamic_fp16``, vectorized on AVX2; 2 bytes per weight). Per channel it
   holds the integers ``q - z`` (|q - z| <= 255: exact in fp16) and multiplies the fp32 result by the row's scale,
   so it is exact like the reference. With groups it holds ``(q - z) * s`` in fp16: exact for int4 weights from
   :func:`~.quant_format.quantize_weight` (their scales have at most 8 / 7 significant bits), rounded once (2^-11
   relative per weight, ~1e-3 of the outputs) for other scales; :attr:`CpuPackedWeight.exact` says which. The
-  packed matrix is an opaque handle fbgemm owns: it cannot be cloned or moved (``.to``), so it is not among
-  :meth:`CpuPackedWeight.buffers`; a deep copy packs again. Under ``torch.compile`` it runs as the op
-  ``hf_dsinfer::fp16_weight_linear``, one opaque call.
+  packed matrix is an opaque object fbgemm owns (a TorchScript class, not a tensor): it cannot be cloned or moved
+  (``.to``), so it is not among :meth:`CpuPackedWeight.buffers`; a deep copy packs again. Under ``torch.compile`` it
+  runs as the op ``hf_dsinfer::fp16_weight_linear``, one opaque call that receives an int slot of a table holding
+  the packed object (so the graph's inputs stay tensors and ints).
 * ``fp16gemm_exact``: with groups, the integers ``q - z`` and block-expanded activations (row ``g * M + m`` is row
   ``m`` masked to group ``g``'s columns): one GEMM gives every group's partial sums, scaled and summed in fp32, so
   it is exact and reads the weight once; up to :data:`FP16GEMM_MAX_EXPANDED_ROWS` expanded rows, beyond which it
@@ -51,8 +52,8 @@ The packed layouts are torch's internal ones: never save them; pack again at loa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ __all__ = [
     "FALLBACK_KIND",
     "KINDS",
     "CpuPackedWeight",
+    "Fp16Pack",
     "check_kind",
     "cpu_quant_matmul",
     "default_kind",
@@ -85,7 +87,7 @@ _INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 class CpuPackedWeight:
     """A quantized weight packed for :func:`cpu_quant_matmul`.
 
-    ``weight``: fbgemm's handle (fp16gemm), int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]``
+    ``weight``: an :class:`Fp16Pack` (fp16gemm), int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]``
     uint8 (int4pack) or int8 ``[N, K_pad]`` values (dequant). ``scales``: fp32 ``[N]`` or ``[G, N]`` (fp16gemm),
     ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero pairs (int4pack) or fp32 ``[N, G, 1]``
     (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), the 0/1 group mask ``[G, K]`` (fp16gemm with
@@ -93,7 +95,7 @@ class CpuPackedWeight:
     """
 
     kind: str
-    weight: torch.Tensor
+    weight: torch.Tensor | Fp16Pack
     scales: torch.Tensor | None
     zeros: torch.Tensor | None
     spec: QuantSpec
@@ -133,28 +135,53 @@ class CpuPackedWeight:
 
 def fbgemm_available() -> bool:
     """Whether this torch build has fbgemm (x86 builds; not macOS/ARM), which ``fp16gemm`` needs."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch, "fbgemm_pack_gemm_matrix_fp16")
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        ops = torch.ops.quantized
+        return ops.linear_prepack_fp16 is not None and ops.linear_dynamic_fp16 is not None
+    except (AttributeError, RuntimeError):  # pragma: no cover - a build without the quantized ops
+        return False
 
 
-# torch 2.13 marks the fbgemm fp16 functions deprecated ("will be removed in a future release"); nothing a user can act
-# on (fbgemm_available() falls back to ``dequant`` once they are gone), so that one message is filtered.
-warnings.filterwarnings(
-    "ignore", message=r"fbgemm_(pack_gemm_matrix_fp16|linear_fp16_weight_fp32_activation) is deprecated"
-)
+# fbgemm's fp16 weight lives in a TorchScript object (``LinearPackedParamsBase``), which fake tensors cannot run and
+# which is not a tensor a compiled graph can take as an input. Each packing is kept in this table under an int slot:
+# the graph's op receives the slot (a constant of the traced code) and looks the object up. The slot is freed when the
+# last CpuPackedWeight holding its Fp16Pack is collected.
+_FP16_PACKS: dict[int, torch.ScriptObject] = {}
+_FP16_SLOTS = itertools.count()
 
-# fbgemm's fp16 GEMM reads an opaque packed handle that fake tensors cannot run: inside torch.compile it is one opaque
-# op (defined with torch.library directly: ~15 us per call here, where a torch.library.custom_op costs ~80 us);
-# eager calls skip the op and call fbgemm directly.
+
+class Fp16Pack:
+    """fbgemm's fp16-packed weight (``torch.ops.quantized.linear_prepack_fp16``) and its slot in the op's table."""
+
+    __slots__ = ("slot", "__weakref__")
+
+    def __init__(self, weight: torch.Tensor):
+        """Pack ``weight [N, K]`` (fp32, rounded to fp16 by fbgemm)."""
+        self.slot = next(_FP16_SLOTS)
+        _FP16_PACKS[self.slot] = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), None)
+
+    @property
+    def packed(self) -> torch.ScriptObject:
+        return _FP16_PACKS[self.slot]
+
+    def __del__(self, _packs: dict = _FP16_PACKS) -> None:  # the table bound now: module globals are gone at exit
+        _packs.pop(self.slot, None)
+
+
+# Inside torch.compile the fp16 GEMM is one opaque op (defined with torch.library directly: ~15 us per call here,
+# where a torch.library.custom_op costs ~80 us); eager calls skip the op and call fbgemm directly.
 _LIB = torch.library.Library("hf_dsinfer", "FRAGMENT")
 _OP = "fp16_weight_linear"
 try:
-    _LIB.define(f"{_OP}(Tensor x, Tensor packed, int out_features) -> Tensor")
+    _LIB.define(f"{_OP}(Tensor x, int slot, int out_features) -> Tensor")
 except RuntimeError:  # pragma: no cover - defined already (the module imported twice under two names)
     pass
 else:
-    _LIB.impl(_OP, lambda x, packed, out_features: torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None),
+    _LIB.impl(_OP, lambda x, slot, out_features: torch.ops.quantized.linear_dynamic_fp16(x, _FP16_PACKS[slot]),
               "CPU")  # fmt: skip
-    torch.library.register_fake(f"hf_dsinfer::{_OP}", lambda x, packed, out_features: x.new_empty(x.shape[0],
+    torch.library.register_fake(f"hf_dsinfer::{_OP}", lambda x, slot, out_features: x.new_empty(x.shape[0],
                                 out_features), lib=_LIB)  # fmt: skip
 
 
@@ -170,11 +197,11 @@ else:
     torch.library.register_fake("hf_dsinfer::materialize", lambda x: torch.empty_like(x), lib=_LIB)
 
 
-def _fp16_weight_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def _fp16_weight_linear(x: torch.Tensor, pack: Fp16Pack, out_features: int) -> torch.Tensor:
     """``x [M, K]`` fp32 times the fbgemm-packed fp16 weight: ``[M, out_features]`` fp32."""
     if torch.compiler.is_compiling():
-        return torch.ops.hf_dsinfer.fp16_weight_linear(x, packed, out_features)
-    return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, None)
+        return torch.ops.hf_dsinfer.fp16_weight_linear(x, pack.slot, out_features)
+    return torch.ops.quantized.linear_dynamic_fp16(x, pack.packed)
 
 
 def _int4_group(spec: QuantSpec, in_features: int) -> int | None:
@@ -272,7 +299,7 @@ def _pack(
             post = scales.float().reshape(n).contiguous() if groups == 1 else scales.float().t().contiguous()
             mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
         exact = torch.equal(q.half().float(), q)  # what the fp16 pack holds is what the reference computes
-        packed = torch.fbgemm_pack_gemm_matrix_fp16(q.contiguous())  # an opaque handle owned by fbgemm
+        packed = Fp16Pack(q)  # an opaque object owned by fbgemm
         return CpuPackedWeight(kind, packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
                                source=(qweight, scales, zeros), exact=exact)  # fmt: skip
     if kind == "dequant":

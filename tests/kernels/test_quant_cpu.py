@@ -25,10 +25,7 @@ from hf_dsinfer.kernels.quant_format import (
 )
 from hf_dsinfer.kernels.quant_gemm import quant_matmul
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:fbgemm_.* is deprecated"),  # quant_cpu filters it; pytest resets filters
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # fp32 compute: the same dequantized fp32 weights as the reference, another summation order (results O(1): 1e-5 is
 # ~100 fp32 ulps). bf16 compute rounds the activations and the output to bf16: 2^-8 relative each, so about
@@ -206,6 +203,24 @@ def test_fp16gemm_deep_copy_packs_again():
     x = torch.randn(3, 40)
     assert torch.equal(cpu_quant_matmul(x, twin), cpu_quant_matmul(x, packed))
     torch.testing.assert_close(cpu_quant_matmul(x, packed), quant_matmul_reference(x, q, s, z, spec, 40), **EXACT)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 96, True), QuantSpec(4, 32, False), QuantSpec(4, 32, False, True)])
+def test_no_kind_calls_deprecated_torch_functions(spec):
+    # torch 2.13 warns that torch.fbgemm_pack_gemm_matrix_fp16 / fbgemm_linear_fp16_weight_fp32_activation "will be
+    # removed": the fp16gemm kinds run fbgemm through torch.ops.quantized's fp16 ops, which warn nothing.
+    import warnings
+
+    q, s, z = quantize_weight(_weight(32, 96), spec)
+    x = torch.randn(3, 96)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kind in supported_kinds(spec, 96):
+            packed = pack_for_cpu(q, s, z, spec, 96, kind=kind)
+            cpu_quant_matmul(x, packed)
+            cpu_quant_matmul(x[:1], packed)
+    deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
+    assert deprecated == []
 
 
 @pytest.mark.slow
