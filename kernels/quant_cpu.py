@@ -106,6 +106,9 @@ class CpuPackedWeight:
     compute_dtype: torch.dtype = torch.float32
     source: tuple = ()  # fp16gemm: (qweight, scales, zeros) it was packed from, to pack a deep copy again
     exact: bool = True  # False: fp16gemm with groups whose (q - z) * s did not all fit fp16 (rounded once)
+    # fp16gemm of int8 weights: (q [N, K] int8, s [N, G, 1] fp32, z [N, G, 1] fp32 or None), the stored integers (no
+    # copy) that a compiled decode step reduces over directly (:func:`_fused_matmul`): 1 byte per weight, not 2.
+    fused: tuple = ()
 
     def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
         import copy
@@ -300,8 +303,12 @@ def _pack(
             mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
         exact = torch.equal(q.half().float(), q)  # what the fp16 pack holds is what the reference computes
         packed = Fp16Pack(q)  # an opaque object owned by fbgemm
-        return CpuPackedWeight(kind, packed, post, mask, spec, k, n, compute_dtype=compute_dtype,
-                               source=(qweight, scales, zeros), exact=exact)  # fmt: skip
+        fused = ()
+        if spec.num_bits == 8 and k % spec.group_size == 0:  # whole groups: the integers reshape to [N, G, gs]
+            fused = (qweight.contiguous(), scales.float().reshape(n, groups, 1).contiguous(),
+                     zeros.float().reshape(n, groups, 1).contiguous() if zeros is not None else None)  # fmt: skip
+        return CpuPackedWeight(kind, packed, post, mask, spec, k, n, spec.group_size, k, compute_dtype=compute_dtype,
+                               source=(qweight, scales, zeros), exact=exact, fused=fused)  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
         k_pad = gs * groups
@@ -349,6 +356,30 @@ def _fuse_dequant(packed: CpuPackedWeight, rows: int) -> bool:
     dequantize-then-``F.linear``; docs/performance.md)."""
     return (packed.compute_dtype == torch.float32 and rows <= FUSED_DEQUANT_MAX_ROWS
             and torch.compiler.is_compiling())  # fmt: skip
+
+
+def _fused_matmul(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, gs: int, k_pad: int
+) -> torch.Tensor:
+    """``x [M, K] @ ((q - z) * s).T -> [M, N]`` fp32 as one reduction per output that dequantizes as it reads
+    (``q [N, K_pad]`` int8, ``s`` / ``z [N, G, 1]`` fp32), for decoding under torch.compile only.
+
+    The int8 values are read once and no fp32 weight is written and read back: inductor fuses the whole expression
+    into one C++ loop (eagerly it would materialize ``[M, N, K]`` temporaries). Each product is ``x`` times the
+    reference's own weight value (``(q - z) * s`` in fp32): the reference up to summation order.
+    """
+    n, groups = q.shape[0], s.shape[1]
+    w = q.view(1, n, groups, gs).to(torch.float32)  # [1, N, G, gs]
+    if z is not None:
+        w = w - z
+    w = w * s  # [1, N, G, gs] (never materialized: fused into the reduction)
+    xc = x.to(torch.float32)
+    if k_pad != x.shape[1]:
+        xc = F.pad(xc, (0, k_pad - x.shape[1]))
+    # A barrier: without it inductor inlines the producer of x (the RMSNorm, even the embedding gather) into the
+    # reduction and recomputes it for every output row: 2x slower steps on SmolLM2 (docs/performance.md).
+    xc = torch.ops.hf_dsinfer.materialize(xc)
+    return (w * xc.view(-1, 1, groups, gs)).sum(dim=(-2, -1))  # [M, N]
 
 
 # -- validation: a kind runs only where it computes the reference ----------------------------------------------------
@@ -432,7 +463,11 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
         raise ValueError(f"x must be [..., in_features={packed.in_features}], got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features)  # [M, K]
-    if packed.kind.startswith("fp16gemm"):
+    if packed.fused and _fuse_dequant(packed, x2.shape[0]):
+        # int8 weights packed for fbgemm, decoding under torch.compile: the stored integers read directly (1 byte per
+        # weight against the fp16 pack's 2; measured faster on SmolLM2's shapes, docs/performance.md).
+        y = _fused_matmul(x2, *packed.fused, packed.group, packed.in_features)
+    elif packed.kind.startswith("fp16gemm"):
         xf = x2.to(torch.float32).contiguous()
         m, n, groups = xf.shape[0], packed.out_features, packed.spec.n_groups(packed.in_features)
         if packed.scales is None:  # fp16gemm with groups: the weight holds the scales
@@ -449,22 +484,7 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
             dequant = _pack(*packed.source, packed.spec, packed.in_features, "dequant", torch.float32)
             return cpu_quant_matmul(x, dequant, bias)
     elif packed.kind == "dequant" and _fuse_dequant(packed, x2.shape[0]):
-        # Decoding under torch.compile: one reduction per output that dequantizes as it reads, so the int8 values
-        # are read once and no fp32 weight is written and read back (inductor fuses the whole expression into one
-        # C++ loop; eagerly it would materialize [M, N, K] temporaries, hence compiled graphs only). Each product
-        # is x times the reference's own weight value ((q - z) * s in fp32): the reference up to summation order.
-        n, groups, gs = packed.out_features, packed.scales.shape[1], packed.group
-        w = packed.weight.view(1, n, groups, gs).to(torch.float32)  # [1, N, G, gs]
-        if packed.zeros is not None:
-            w = w - packed.zeros
-        w = w * packed.scales  # [1, N, G, gs] (never materialized: fused into the reduction)
-        xc = x2.to(torch.float32)
-        if packed.k_padded != packed.in_features:
-            xc = F.pad(xc, (0, packed.k_padded - packed.in_features))
-        # A barrier: without it inductor inlines the producer of x (the RMSNorm, even the embedding gather) into the
-        # reduction and recomputes it for every output row: 2x slower steps on SmolLM2 (docs/performance.md).
-        xc = torch.ops.hf_dsinfer.materialize(xc)
-        y = (w * xc.view(-1, 1, groups, gs)).sum(dim=(-2, -1))  # [M, N]
+        y = _fused_matmul(x2, packed.weight, packed.scales, packed.zeros, packed.group, packed.k_padded)
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
         q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]

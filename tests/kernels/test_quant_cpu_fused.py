@@ -52,6 +52,34 @@ def test_compiled_fused_dequant_matches_reference(name, rows, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("spec", [QuantSpec(8, 96, True), QuantSpec(8, 96, False), QuantSpec(8, 32, True)])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_compiled_fp16gemm_int8_reads_the_integers(spec, rows, monkeypatch):
+    # int8 weights packed for fbgemm: a compiled matmul of a few rows reduces over the stored int8 values (1 byte per
+    # weight) instead of calling fbgemm on the fp16 pack; more rows call fbgemm. Both are the reference.
+    from hf_dsinfer.kernels.quant_cpu import fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    g = torch.Generator().manual_seed(rows)
+    q, s, z = quantize_weight(torch.randn(40, 96, generator=g) * 0.05, spec)
+    packed = pack_for_cpu(q, s, z, spec, 96, kind="fp16gemm" if spec.group_size == 96 else "fp16gemm_exact")
+    assert packed.fused and packed.fused[0] is q  # the stored integers themselves, no copy
+    fbgemm_calls = []
+    real = quant_cpu._fp16_weight_linear
+    monkeypatch.setattr(quant_cpu, "_fp16_weight_linear", lambda *a: fbgemm_calls.append(1) or real(*a))
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(rows, 96, generator=g)
+    torch._dynamo.reset()
+    got = torch.compile(_Layer(packed, bias), fullgraph=True)(x)
+    torch.testing.assert_close(got, quant_matmul_reference(x, q, s, z, spec, 96, bias), **EXACT)
+    if rows <= quant_cpu.FUSED_DEQUANT_MAX_ROWS:
+        assert not fbgemm_calls
+    elif spec.group_size == 96:  # per channel; with groups, 6 rows x 3 groups dequantize once instead
+        assert fbgemm_calls
+
+
+@pytest.mark.slow
 @torch.no_grad()
 def test_compiled_decode_step_with_the_q4_1_grid_equals_eager(tmp_path, monkeypatch):
     """End to end: a tiny llama with int4 groups of 32 and float zeros (the fused path, behind the materialize
