@@ -61,7 +61,12 @@ def test_memory_counts_packed_copies_and_repack_is_in_the_switch(setup, monkeypa
 
 
 def test_sleep_and_wake(setup):
-    model, he, gen = setup
+    model, _, gen = setup
+    # sleep() matters where the copy is the copy of the whole model: weights that cannot be shared (share_base=False
+    # here; another inference dtype in practice). A full fine-tuning copy that shares the training storage holds only
+    # the KV cache and packed copies (tests/test_hybrid_shared_full.py).
+    he = HybridEngine(model, inference_config={"max_out_tokens": 32, "max_batch_size": 4, "cpu_compile": False},
+                      share_base=False)  # fmt: skip
     with he.inference():
         he.generate(**gen)
     before = he.memory()

@@ -3,7 +3,7 @@ the training model share the base weights' storage and LoRA runs as a side path.
 LoRA r=16 on all linear layers): the copy adds <= 0.15x the base weight bytes (``memory()``), both models' storages
 together hold the base once, greedy tokens equal peft's ``generate`` after optimizer steps, the shared base is never
 written, and the RSS grows <= 0.35x the base over building the engine and two train/generate cycles (measured from
-resident weights: see the test). Tiny models: full fine-tuning keeps the copy;
+resident weights: see the test). Tiny models: full fine-tuning shares too (tests/test_hybrid_shared_full.py);
 ``share_base=False`` copies everything."""
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ def test_smollm2_lora_shares_the_base():
             assert torch.equal(p, frozen[n]), f"{n}: the shared base was written"
 
 
-def test_full_finetune_keeps_the_copy_and_share_base_false():
+def test_full_finetune_shares_and_share_base_false_copies():
     model = build_tiny("llama", seed=0).train()
-    he = HybridEngine(model, inference_config={"max_out_tokens": 32, "cpu_compile": False})
-    assert he._shared is None, "every weight is trainable: nothing is shared"
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert he.memory()["weights"] >= plain
+    he = HybridEngine(model, inference_config={"max_out_tokens": 32, "cpu_compile": False})
+    assert he._shared is not None and he._shared.trainable, "full fine-tuning shares the trainable weights too"
+    assert he.memory()["weights"] < 0.05 * plain
     lora = peft.get_peft_model(build_tiny("llama", seed=0), peft.LoraConfig(r=4, target_modules="all-linear"))
     randomize_lora(lora)
     copy = HybridEngine(lora, inference_config={"max_out_tokens": 32, "cpu_compile": False}, share_base=False)

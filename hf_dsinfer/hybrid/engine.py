@@ -90,9 +90,11 @@ class HybridEngine(GenerateMixin):
             ``stats.last.logp_diff`` (stale weights show at once). Costs two teacher-forced forwards of those rows
             per iteration. One inference rank only.
 
-        share_base: ``"auto"`` (default): frozen training weights (peft LoRA's base, ``requires_grad=False``) in the
-            inference dtype share their storage with the inference copy, LoRA added as a side path
-            (:mod:`.shared_base`); trainable or other-dtype tensors are copied. ``False``: copy everything.
+        share_base: ``"auto"`` (default): training weights in the inference dtype share their storage with the
+            inference copy (:mod:`.shared_base`): frozen ones (peft LoRA's base, ``requires_grad=False``, LoRA added
+            as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
+            inference buffers in place: the refresh copies nothing). Other-dtype tensors are copied. ``False``: copy
+            everything.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
@@ -244,7 +246,8 @@ class HybridEngine(GenerateMixin):
         return infer
 
     def _share(self, infer: nn.Module) -> None:
-        """Frozen base weights: the training model's storage becomes the inference buffers' (:mod:`.shared_base`)."""
+        """Frozen (and, full fine-tuning, trainable) weights: the training model's storage becomes the inference
+        buffers' (:mod:`.shared_base`)."""
         record = get_injection(infer)
         if self.share_base is False or record is None:
             return
@@ -350,13 +353,17 @@ class HybridEngine(GenerateMixin):
                     if value.shape != param.shape:
                         raise ValueError(f"{name}: training shape {tuple(value.shape)} != {tuple(param.shape)}")
                     param.data.copy_(value)
+        unchanged: set[int] = set()
         if self._shared is not None:
+            self._shared.copy_unlinked(w)  # shared tensors whose .data was rebound since: copied, never stale
             self._shared.refresh_lora(w)  # LoRA side paths of the shared base, in place
-        # The writes above go through .data, which the version counter does not see: the CPU packed GEMM copies of the
-        # rewritten weights are re-packed now, so the switch (refresh_ms) pays for them rather than the next generate.
+            unchanged = self._shared.unchanged()
+        # The writes above go through .data, which the version counter does not see, and the optimizer's writes to
+        # shared trainable weights bump the training tensors' counters, not these: the CPU packed GEMM copies of every
+        # weight that may have changed are re-packed now, so the switch (refresh_ms) pays for them, not the generate.
         from .memory import repack
 
-        repack(infer, shared)
+        repack(infer, unchanged)
 
     def _read(self, name: str) -> torch.Tensor:
         """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""

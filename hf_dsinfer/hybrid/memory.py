@@ -55,14 +55,15 @@ def engine_memory(engine: Any) -> dict[str, int]:
             "cuda_graphs": graph_pool_bytes(engine.module), "shared_with_training": shared}  # fmt: skip
 
 
-def repack(module: nn.Module, shared: set[int]) -> int:
+def repack(module: nn.Module, unchanged: set[int]) -> int:
     """After a refresh: re-pack now (so the switch pays for it, not the next generate) the CPU packed copies of the
-    linears whose weight was rewritten; the shared frozen base was not, its packs stay. Returns how many."""
+    linears whose weight may have changed; ``unchanged`` (ids: the shared frozen base) was not, its packs stay.
+    Returns how many."""
     count = 0
     for m in module.modules():
         weight = getattr(m, "weight", None)
         slot = m.__dict__.get(cpu_packed.SLOT_ATTR)
-        if slot is None or not isinstance(weight, torch.Tensor) or id(weight) in shared:
+        if slot is None or not isinstance(weight, torch.Tensor) or id(weight) in unchanged:
             continue
         if cpu_packed.invalidate(m) and cpu_packed.repack(m):  # only weights packed before (in use at this batch)
             count += 1

@@ -1,9 +1,19 @@
-"""Frozen base, no second copy: the inference copy and the training model share the base weights' storage.
+"""No second copy: the inference copy and the training model share the weights' storage.
 
 When a training weight is frozen (peft LoRA's base layers, or ``requires_grad=False``) and the inference copy holds it
 in the same dtype, the copy's buffer (e.g. a row slice of the fused qkv / gate_up weight) is filled once with the base
 value and the training parameter's ``.data`` becomes a *view* of it: one storage serves both models, the training
 model's old one is freed. Nothing ever writes the shared storage again (a frozen weight does not change).
+
+Full fine-tuning (a plain transformers model, no peft): a *trainable* weight is shared the same way, so the optimizer's
+in-place updates land in the inference buffers themselves and a refresh copies nothing (on SmolLM2 the copy was 307 ms
+of a ~720 ms switch, and the copy was as large as the model). Only weights that own their storage whole are taken: a
+parameter that is a view into someone else's flat buffer (DeepSpeed ZeRO-1/2, Megatron-style contiguous grads, a
+second engine) keeps being copied, since rebinding it would cut it off from the buffer its owner updates.
+
+A training parameter whose ``.data`` is rebound after sharing (``model.to(...)``, ``load_state_dict(assign=True)``,
+another engine taking it over) no longer writes the inference buffer: every refresh checks the addresses, and such a
+tensor is copied from then on (one warning naming it), never silently stale.
 
 LoRA stays out of the shared base: a fused linear with adapted parts becomes a :class:`LoRALinear`, which adds the
 delta as a side path, ``y = x W^T + (x A^T) B^T`` with ``A [R, in]`` the active adapters' ``lora_A`` stacked over every
@@ -13,8 +23,9 @@ projection is adapted, so a fused copy is the full second copy again; the side p
 per linear (a few % of ``in x out`` at r=16) and costs two skinny GEMMs per linear in a decode step, in persistent
 buffers that each refresh overwrites in place (CUDA graphs and the compiled CPU step stay valid).
 
-Not shared, with one info log saying why (that tensor keeps its copy, refreshed as before): a trainable tensor (full
-fine-tuning, ``modules_to_save``), another dtype than the inference copy's, LoRA on a tensor without a side path
+Not shared, with one info log saying why (that tensor keeps its copy, refreshed as before): a trainable tensor of a
+peft model (``modules_to_save``) or of a parameter that does not own its storage, DeepSpeed-Chat LoRA layers (the
+delta is fused into the copy), another dtype than the inference copy's, LoRA on a tensor without a side path
 (embedding, LM head), a source that is not a plain row slice (a transposed Conv1D weight), a policy with its own
 ``pack_into``, tensor parallelism, a quantized copy, sharded (FSDP2 / ZeRO-3) parameters, another device.
 """
@@ -29,7 +40,7 @@ from torch import nn
 from ..log import logger
 from ..modules.linear import Linear
 from ..policies.base import Cat, Param, Policy, as_source
-from .weights import _is_lora_layer
+from .weights import _is_lora_layer, is_deepspeed_chat_lora
 
 _LOGGED: set[str] = set()
 
@@ -77,16 +88,23 @@ def _base_param(weights: Any, name: str) -> tuple[torch.Tensor | None, nn.Module
 
 
 class SharedBase:
-    """Which inference tensors share the training base, and the LoRA side paths (built once, after the first refresh).
+    """Which inference tensors share the training weights, and the LoRA side paths (built once, after the first
+    refresh).
 
     ``shared``: ids of the inference parameters whose storage the training model uses; the engine's refresh skips
-    them (they are the frozen base). ``lora``: ``(LoRALinear, [(row offset, training LoRA layer)])`` per side path.
+    them. ``trainable``: the subset the optimizer updates (full fine-tuning): not copied either, but re-packed at each
+    refresh (:func:`.memory.repack`). ``lora``: ``(LoRALinear, [(row offset, training LoRA layer)])`` per side path.
     """
 
     def __init__(self, engine: Any, infer: nn.Module, record: Any):
         self.shared: set[int] = set()
+        self.trainable: set[int] = set()
         self.lora: list[tuple[LoRALinear, list[tuple[int, nn.Module]]]] = []
+        # (inference param, row offset, training param, the address it must keep) for every shared slice
+        self.links: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
+        self.broken: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # links rebound since: copied at each refresh
         self.bytes_shared = 0
+        self.plain_model = engine.weights.peft_model is None
         w = engine.weights
         policy_pack = type(record.policy).pack_into
         if policy_pack is not Policy.pack_into:
@@ -101,21 +119,35 @@ class SharedBase:
                     self._share_fused(w, layer, fused_name, src, prefix, train_layers[i])
         for name, param in engine._plain:
             base, lora = _base_param(w, name)
-            if lora is None and self._can_share(name, base, param):
+            if lora is None and self._can_share(name, base, param, w):
                 self._adopt(param, [base])
 
     # -- deciding --------------------------------------------------------------------------------------------------
 
-    def _can_share(self, name: str, base: Any, param: torch.Tensor) -> bool:
+    def _can_share(self, name: str, base: Any, param: torch.Tensor, w: Any) -> bool:
         if not isinstance(base, torch.Tensor) or type(base).__name__ == "DTensor" or hasattr(base, "ds_id"):
             return False  # sharded (FSDP2 / ZeRO-3): gathered at each refresh, nothing to share
-        if base.requires_grad:
-            return False  # trainable: it changes at every step, the copy follows it
+        if is_deepspeed_chat_lora(w.module(name.rpartition(".")[0])):
+            return False  # its effective weight is W + the delta: the fused copy holds that, not W
+        if base.requires_grad and not self._owns_storage(base):
+            _once(f"{name} is trainable and a view into a larger storage (a flat optimizer buffer?) or belongs to a "
+                  "peft model: copied at each refresh, not shared")  # fmt: skip
+            return False
         if base.dtype != param.dtype or base.device != param.device:
             _once(f"{name}: the training weight is {base.dtype} on {base.device}, the inference copy "
                   f"{param.dtype} on {param.device}; frozen weights are copied, not shared")  # fmt: skip
             return False
         return True
+
+    def _owns_storage(self, base: torch.Tensor) -> bool:
+        """A trainable tensor of a plain model that is its storage, whole (nothing else reads or writes through it)."""
+        storage = base.untyped_storage()
+        return (
+            self.plain_model
+            and base.is_contiguous()
+            and base.storage_offset() == 0
+            and storage.nbytes() == base.numel() * base.element_size()
+        )
 
     def _share_fused(self, w: Any, layer: nn.Module, fused_name: str, src: Any, prefix: str, train: nn.Module) -> None:
         names = _parts(src)
@@ -126,7 +158,7 @@ class SharedBase:
         bases, loras = [], []
         for n in names:
             base, lora = _base_param(w, prefix + n)
-            if not self._can_share(prefix + n, base, param):
+            if not self._can_share(prefix + n, base, param, w):
                 return
             bases.append(base)
             loras.append(lora)
@@ -165,11 +197,38 @@ class SharedBase:
                 view = param.data.narrow(0, offset, base.shape[0])
                 view.copy_(base.detach())
                 base.data = view  # the training parameter now reads the inference buffer; its old storage is freed
+                self.links.append((param, offset, base, view.data_ptr()))
                 offset += base.shape[0]
         self.shared.add(id(param))
+        if any(b.requires_grad for b in bases):
+            self.trainable.add(id(param))  # the optimizer writes it: re-packed at each refresh, never copied
         self.bytes_shared += param.numel() * param.element_size()
 
     # -- refreshing ------------------------------------------------------------------------------------------------
+
+    def copy_unlinked(self, weights: Any) -> None:
+        """Copy the training tensors whose ``.data`` was rebound since they were shared (they no longer write the
+        inference buffer) into their slices; one warning per tensor when it is first seen."""
+        intact = []
+        for param, offset, base, ptr in self.links:
+            if base.data_ptr() == ptr:
+                intact.append((param, offset, base, ptr))
+                continue
+            logger.warning(
+                "hf_dsinfer HybridEngine: a training weight of shape %s no longer shares the inference copy's storage "
+                "(its .data was rebound, e.g. by model.to() or load_state_dict(assign=True)); it is copied at each "
+                "refresh from now on", tuple(base.shape),
+            )  # fmt: skip
+            self.broken.append((param, offset, base))
+            self.trainable.add(id(param))  # rewritten at each refresh: its packed copies follow
+        self.links = intact
+        with torch.no_grad():
+            for param, offset, base in self.broken:
+                param.data.narrow(0, offset, base.shape[0]).copy_(weights.full(base.detach()))
+
+    def unchanged(self) -> set[int]:
+        """Ids of the shared inference parameters no refresh rewrites (the frozen base): their packs stay valid."""
+        return self.shared - self.trainable
 
     def refresh_lora(self, weights: Any) -> None:
         """Copy the active adapters' factors (scaling folded into B) into the side-path buffers, in place."""
