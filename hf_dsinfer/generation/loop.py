@@ -23,6 +23,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 
 from .. import hf_compat
 from ..log import warn_once
+from ..modules.quant_linear import activation_dtype
 from .processors import DecodePlan, StepProcessor, plan_decoding
 from .speculative import lookup_applies, prompt_lookup_loop
 from .stats import StepTimer
@@ -165,7 +166,7 @@ def _prefill(self, call: CallContext, input_ids: torch.Tensor, mask: Any, positi
     call.prompt_tokens = int(real.sum()) if real is not None else input_ids.numel()
     shared = _distinct_rows(input_ids, mask, positions) if SHARE_PREFILL else None
     if shared is not None:
-        dtype = self.get_input_embeddings().weight.dtype
+        dtype = activation_dtype(self.get_input_embeddings())  # a quantized tied embedding stores integers
         cache.start(batch, input_ids.device, dtype)  # room for every row before the distinct ones are prefilled
         first, inverse = shared
         pick = (lambda t: t.index_select(0, first) if isinstance(t, torch.Tensor) else t)  # noqa: E731
@@ -204,7 +205,7 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
 
     decode = state.step
     if state.graphs is not None and device.type == "cuda":
-        dtype = self.get_input_embeddings().weight.dtype
+        dtype = activation_dtype(self.get_input_embeddings())
         decode = state.graphs.prepare(batch, device, dtype)
         call.path = "fast+graphs"
 

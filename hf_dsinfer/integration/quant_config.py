@@ -12,7 +12,9 @@ engine) or disabled; activation quantization asked for beyond those defaults is 
 ``q_groups`` is DeepSpeed's "groups per output row" (each row of ``K`` inputs is cut into ``G`` groups of
 ``ceil(K / G)`` columns); ``group_size`` (ours) gives the columns per group directly. Defaults: int8 per channel
 (one group per row), int4 groups of 128 columns (clamped to the row length). ``lm_head``: also quantize the LM head
-(default False: the head and the embeddings stay in the activation dtype). The parsed section is a plain,
+(default False: the head and the embeddings stay in the activation dtype; a head tied to the input embedding is
+quantized once and the embedding gathers rows of the same integers); ``lm_head_bits=8`` under ``num_bits=4``: the
+head in int8 per channel (llama.cpp's Q4 files keep it at 8 bits too). The parsed section is a plain,
 JSON-serializable dict (it is written to config.json with the rest of the inference config).
 
 The second half applies it: :func:`swap_placeholders` (before transformers loads the weights: quantized placeholders
@@ -28,8 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..log import logger, warn_once
+from ..log import warn_once
 from .quant_calibration import calibrate, damp_of, refuse_calibration
+from .quant_head import head_is_tied, is_head, quantize_tied_head
 
 if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig); the model half imports lazily
     import torch
@@ -41,8 +44,8 @@ if TYPE_CHECKING:  # the config half stays light (imported with InferenceConfig)
 
 INT4_DEFAULT_GROUP = 128
 _TOP_KEYS = ("enabled", "weight", "activation", "qkv")
-_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "zero_point", "lm_head", "calibration",
-                "quantized_initialization", "post_init_quant")  # fmt: skip
+_WEIGHT_KEYS = ("enabled", "num_bits", "q_groups", "group_size", "q_type", "zero_point", "lm_head", "lm_head_bits",
+                "calibration", "quantized_initialization", "post_init_quant")  # fmt: skip
 _ZERO_POINTS = ("integer", "float")
 _Q_TYPES = {"symmetric": True, "asymmetric": False}
 # DeepSpeed's ``quant.activation`` / ``quant.qkv`` sections and their defaults (DeepSpeed 0.16.5). DeepSpeed fills them
@@ -81,11 +84,15 @@ class QuantSettings:
     lm_head: bool = False
     calibration: dict[str, Any] | None = None
     float_zero: bool = False  # quant.weight.zero_point="float" (asymmetric only)
+    lm_head_bits: int | None = None  # quant.weight.lm_head_bits: 8 under num_bits=4 (None: the body's num_bits)
 
-    def spec_for(self, in_features: int) -> QuantSpec:
-        """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row)."""
+    def spec_for(self, in_features: int, head: bool = False) -> QuantSpec:
+        """The :class:`QuantSpec` of a linear with ``in_features`` inputs (group size clamped to the row); ``head``:
+        the LM head's (int8 symmetric per channel when ``lm_head_bits=8`` under an int4 body)."""
         from hf_dsinfer.kernels.quant_format import QuantSpec
 
+        if head and self.lm_head_bits is not None and self.lm_head_bits != self.num_bits:
+            return QuantSpec(self.lm_head_bits, in_features, True)
         if self.group_size is not None:
             group = min(self.group_size, in_features)
         else:
@@ -101,6 +108,8 @@ class QuantSettings:
         }
         if self.float_zero:
             weight["zero_point"] = "float"
+        if self.lm_head_bits is not None:
+            weight["lm_head_bits"] = self.lm_head_bits
         if self.group_size is not None:
             weight["group_size"] = self.group_size
         else:
@@ -167,6 +176,12 @@ def parse_quant(value: Any) -> QuantSettings | None:
     lm_head = weight.get("lm_head", False)
     if not isinstance(lm_head, bool):
         raise ValueError(f"quant.weight.lm_head must be True or False, got {lm_head!r}.")
+    lm_head_bits = weight.get("lm_head_bits")
+    if lm_head_bits is not None and (lm_head_bits not in (bits, 8) or isinstance(lm_head_bits, bool) or not lm_head):
+        raise ValueError(
+            f"quant.weight.lm_head_bits={lm_head_bits!r}: it takes 8 (an int8 per-channel head under an int4 body) "
+            "or num_bits, and needs quant.weight.lm_head=True; set lm_head=True, or drop lm_head_bits."
+        )
     for key in ("quantized_initialization", "post_init_quant"):
         if weight.get(key) not in (None, {}):
             raise ValueError(
@@ -190,7 +205,8 @@ def parse_quant(value: Any) -> QuantSettings | None:
     from .quant_calibration import parse_calibration
 
     calibration = parse_calibration(weight.get("calibration"))
-    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head, calibration, zero_point == "float")
+    return QuantSettings(bits, _Q_TYPES[q_type], group_size, q_groups, lm_head, calibration, zero_point == "float",
+                         lm_head_bits)  # fmt: skip
 
 
 def _check_unread_section(sub: Any, key: str, defaults: dict[str, Any]) -> None:
@@ -290,29 +306,12 @@ def advise_calibration(settings: QuantSettings | None) -> None:
     )
 
 
-def _head_is_tied(model: nn.Module) -> bool:
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if get_in is None or get_out is None:
-        return False
-    try:
-        emb, head = get_in(), get_out()
-    except (AttributeError, NotImplementedError):
-        return False
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    return head is not None and emb is not None and (tied or head.weight is emb.weight)
-
-
 def _targets(model: nn.Module, settings: QuantSettings) -> list[tuple[str, nn.Linear]]:
+    """The float linears quantized one by one: a head tied to the input embedding is not among them (it is quantized
+    once the model is built, together with the embedding: :func:`quantize_tied_head`)."""
     from ..modules.quant_linear import quantizable_linears
 
-    lm_head = settings.lm_head
-    if lm_head and _head_is_tied(model):
-        logger.warning(
-            "quant.weight.lm_head=True: the LM head shares its weight with the input embedding (tied), which stays "
-            "in the activation dtype; the head is not quantized."
-        )
-        lm_head = False
-    return list(quantizable_linears(model, lm_head))
+    return list(quantizable_linears(model, settings.lm_head and not head_is_tied(model)))
 
 
 def swap_placeholders(model: nn.Module, settings: QuantSettings, dtype: torch.dtype, quantized: bool) -> int:
@@ -324,7 +323,7 @@ def swap_placeholders(model: nn.Module, settings: QuantSettings, dtype: torch.dt
         return 0  # calibrated: the float weights load as they are, quantize_model_ quantizes them after a forward pass
     targets = _targets(model, settings)
     for name, lin in targets:
-        spec = settings.spec_for(lin.in_features)
+        spec = settings.spec_for(lin.in_features, head=is_head(model, lin))
         has_bias = lin.bias is not None
         set_submodule(model, name, QuantLinear.placeholder(lin.in_features, lin.out_features, spec, has_bias, dtype,
                                                            quantized))  # fmt: skip
@@ -370,12 +369,13 @@ def quantize_model_(model: nn.Module, settings: QuantSettings) -> int:
         w = module.weight
         if w.is_meta:
             raise ValueError(f"{name} has no weights yet (meta device); load the model before quantizing it.")
-        q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), module.bias, w.dtype, reduce,
-                                   hessians.pop(name, None), damp_of(settings.calibration))  # fmt: skip
+        spec = settings.spec_for(w.shape[1], head=is_head(model, module))
+        q = QuantLinear.from_float(w.detach(), spec, module.bias, w.dtype, reduce, hessians.pop(name, None),
+                                   damp_of(settings.calibration))  # fmt: skip
         set_submodule(model, name, q)
         module.weight = None if isinstance(module, nn.Linear) else module.weight  # drop our reference early
         count += 1
-    return count
+    return count + quantize_tied_head(model, settings)
 
 
 def quantize_loaded(module: nn.Module, settings: QuantSettings) -> QuantLinear:
@@ -435,7 +435,7 @@ def quantize_slices(settings: QuantSettings) -> Any:
     from ..modules.quant_linear import QuantLinear
 
     refuse_calibration(settings.calibration, "with tensor parallelism")
-    state: dict[str, Any] = {"targets": None, "replaced": {}}
+    state: dict[str, Any] = {"targets": None, "replaced": {}, "head": None}
 
     def on_loaded(places: list[tuple[nn.Module, str]]) -> None:
         for module, pname in places:
@@ -449,7 +449,8 @@ def quantize_slices(settings: QuantSettings) -> Any:
             name, parent, child = state["targets"][id(module)]
             w = module.weight  # [N_local, K_local]
             bias = module.bias if module.bias is not None and not module.bias.is_meta else None
-            q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1]), bias, w.dtype)
+            q = QuantLinear.from_float(w.detach(), settings.spec_for(w.shape[1], head=state["head"] is module), bias,
+                                       w.dtype)  # fmt: skip
             if module.bias is not None and module.bias.is_meta:
                 q.bias = module.bias  # still on meta: set again when it is loaded
             setattr(parent, child, q)
@@ -462,6 +463,8 @@ def quantize_slices(settings: QuantSettings) -> Any:
             parent_name, _, child = name.rpartition(".")
             targets[id(module)] = (name, model.get_submodule(parent_name) if parent_name else model, child)
         state["targets"] = targets
+        get_out = getattr(model, "get_output_embeddings", None)
+        state["head"] = get_out() if get_out is not None else None
         return on_loaded
 
     return bind

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers.quantizers.base import HfQuantizer
 
-from ..modules.quant_linear import QuantLinear, flat_for_save
+from ..modules.quant_linear import QuantLinear, flat_for_save, tied_table_for_save
 from .apply import apply_inference_config, check_dtype_supported, check_supported, local_device
 from .config import AUTO, InferenceConfig
 from .quant_config import finalize_quantized, quantize_on_load_op, resolve_load_quant, swap_placeholders
@@ -104,7 +104,9 @@ class DsInferQuantizer(HfQuantizer):
             sd = model.state_dict()
         else:
             return None, {}
-        return flat_for_save(sd), {}  # quantized weights flat: transformers alone refuses them (no silent garbage)
+        # quantized weights flat: transformers alone refuses them (no silent garbage); a quantized tied head is saved
+        # as the embedding's float table, as a tied HF model saves it
+        return flat_for_save(tied_table_for_save(model, sd)), {}
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True

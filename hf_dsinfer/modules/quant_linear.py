@@ -243,6 +243,56 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}{tp}")  # fmt: skip
 
 
+class QuantEmbedding(nn.Module):
+    """An input embedding whose table is the quantized weight of the LM head it is tied to (one table, as in
+    llama.cpp's GGUFs): ``forward(ids)`` gathers the rows' integers and dequantizes only those rows.
+
+    It holds no tensor of its own: it reads ``head.weight`` / ``weight_scales`` / ``weight_zeros`` at every call, so
+    moving or copying the model keeps one table (the head is referenced, not registered: ``state_dict`` lists the
+    table once, under the head's names). ``weight`` is the head's integer weight (for ``.device``); the float dtype
+    the rows come out in is :attr:`dtype`.
+    """
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype, self.padding_idx = dtype, padding_idx
+        self._head = (head,)  # a tuple: not a registered submodule (the head is the model's own)
+
+    @property
+    def head(self) -> QuantLinear:
+        return self._head[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [...]`` -> ``[..., embedding_dim]`` in :attr:`dtype`: the rows of the dequantized table."""
+        head, flat = self.head, input_ids.reshape(-1)  # [T]
+        zeros = head.weight_zeros.index_select(0, flat) if head.weight_zeros is not None else None
+        rows = dequantize_weight(head.weight.index_select(0, flat), head.weight_scales.index_select(0, flat), zeros,
+                                 head.spec, self.embedding_dim, self.dtype)  # [T, H]  # fmt: skip
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The whole float table ``[V, H]`` in :attr:`dtype` (what ``save_pretrained`` writes for it)."""
+        return self.head.dequantized_weight(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tied to the quantized LM head"
+
+
+def activation_dtype(module: nn.Module) -> torch.dtype:
+    """The float dtype an embedding or LM head computes in, quantized or not (``weight.dtype`` of a float module;
+    a quantized one stores integers)."""
+    if isinstance(module, QuantEmbedding):
+        return module.dtype
+    if isinstance(module, QuantLinear):
+        return module.weight_scales.dtype
+    return module.weight.dtype
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Which linears of an HF model are quantized, and swapping them
 # ---------------------------------------------------------------------------------------------------------------------
@@ -277,6 +327,24 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at dotted path ``name``."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def tied_table_for_save(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with a quantized tied head (:class:`QuantEmbedding`) saved as HF saves a tied model: the input
+    embedding's float table (the dequantized integers: the values the model computes with) under its own name and no
+    head keys, so the checkpoint reads as a plain tied model; a reload with ``lm_head=True`` quantizes that table
+    again and gets the same integers (a grid point rounds to itself)."""
+    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+    if not embs:
+        return state_dict
+    names = {id(m): n for n, m in model.named_modules()}
+    out = dict(state_dict)
+    for name, emb in embs:
+        head = names.get(id(emb.head))
+        for key in (f"{head}.weight", f"{head}.weight_scales", f"{head}.weight_zeros"):
+            out.pop(key, None)
+        out[f"{name}.weight"] = emb.dequantized_weight()  # [V, H] in the embedding's float dtype
+    return out
 
 
 def flat_for_save(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

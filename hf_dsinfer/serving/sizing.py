@@ -91,9 +91,11 @@ def kv_bytes_per_token(model: Any) -> tuple[int, torch.dtype]:
     record = get_injection(model)
     if record is None:
         raise ValueError("the model has no fused layers (kernel injection): the serving engine cannot run it")
-    weight = model.get_output_embeddings().weight
+    from ..modules.quant_linear import activation_dtype
+
+    dtype = activation_dtype(model.get_output_embeddings())  # a quantized LM head stores integers
     specs = [layer.attn.spec for layer in record.runtime.layers]
-    return 2 * weight.element_size() * sum(s.num_kv_heads * s.head_dim for s in specs), weight.dtype
+    return 2 * dtype.itemsize * sum(s.num_kv_heads * s.head_dim for s in specs), dtype
 
 
 def plan_kv_cache(model: Any, *, block_size: int, max_num_seqs: int, max_model_len: int, max_batch_tokens: int,
