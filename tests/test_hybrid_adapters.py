@@ -107,8 +107,13 @@ def test_layers_removed_from_the_middle_are_refused():
         HybridEngine(model, inference_config=CFG)
 
 
-def test_deepspeed_chat_lora_is_fused_exactly():
+@pytest.mark.parametrize("frozen_base", [False, True])
+def test_deepspeed_chat_lora_is_fused_exactly(frozen_base):
     model = _chat_lora_model().eval()
+    if frozen_base:  # DeepSpeed-Chat's only_optimize_lora: a frozen W must still not be shared (its delta is fused)
+        for m in model.modules():
+            if isinstance(m, ChatLoRALinear):
+                m.weight.requires_grad_(False)
     expected = model.generate(**_gen())  # the training model's own (unfused) forward is the oracle
     he = HybridEngine(model, inference_config=CFG)
     with he.inference():
