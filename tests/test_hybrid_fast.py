@@ -103,16 +103,21 @@ def test_release_cache_drops_decode_graphs_and_cache():
     assert resets and state.graphs.runner is None, "graphs over the freed cache must be dropped"
 
 
-def test_cpu_draw_follows_softmax_and_never_picks_removed_tokens(monkeypatch):
-    """The fast loop's CPU draw (one uniform per row against the float64 CDF, generation/processors.py): frequencies
-    equal ``softmax(scores)`` within sampling noise, removed (-inf) tokens are never drawn, a seeded generator repeats
-    its draws, a uniform rounding up to the total falls back to the last possible token, and a row with every token
-    removed is refused as ``torch.multinomial`` (HF's draw) refuses it."""
+@pytest.mark.parametrize("block", [8, 256])
+def test_cpu_draw_follows_softmax_and_never_picks_removed_tokens(monkeypatch, block):
+    """The fast loop's CPU draw (one uniform per row against the float64 CDF, searched block then token,
+    generation/processors.py): frequencies equal ``softmax(scores)`` within sampling noise, removed (-inf) tokens are
+    never drawn, a seeded generator repeats its draws, a uniform rounding up to the total falls back to the last
+    possible token, and a row with every token removed is refused as ``torch.multinomial`` (HF's draw) refuses it.
+    Blocks of 8 put the 40 tokens in 5 blocks (one wholly removed, the last one partly padded past the vocabulary)."""
+    from hf_dsinfer.generation import processors
     from hf_dsinfer.generation.processors import _inverse_cdf_draw
+
+    monkeypatch.setattr(processors, "_DRAW_BLOCK", block)
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 40, generator=g) * 2
-    scores[:, 5:15] = float("-inf")
+    scores[:, 5:15] = float("-inf")  # with blocks of 8, block 1 (8-15) has no probability at all
     scores[:, -3:] = float("-inf")  # trailing removed tokens: the fallback must not land on them
     n = 30_000
     draws = _inverse_cdf_draw(scores.repeat(n, 1), torch.Generator().manual_seed(1)).view(n, 3)  # [n, 3]
@@ -125,5 +130,8 @@ def test_cpu_draw_follows_softmax_and_never_picks_removed_tokens(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1.0, dtype=kw.get("dtype")))
     assert _inverse_cdf_draw(scores, None).tolist() == [36, 36, 36], "u == total: the last token with probability"
     monkeypatch.undo()
+    monkeypatch.setattr(processors, "_DRAW_BLOCK", block)
+    odd = _inverse_cdf_draw(scores[:, :37], torch.Generator().manual_seed(2))  # V not a multiple of the block
+    assert ((odd < 37) & (scores[torch.arange(3), odd.clamp(max=36)] > float("-inf"))).all()
     with pytest.raises(RuntimeError, match="inf or nan"):
         _inverse_cdf_draw(torch.full((1, 8), float("-inf")), None)
