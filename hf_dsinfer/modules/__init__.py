@@ -8,7 +8,7 @@ Each module calls the public kernel dispatchers, so it takes the Triton path on 
 from .attention import AttentionSpec, FusedAttention, StepContext
 from .kv_cache import StaticKVCache
 from .layer import LINEAR_WEIGHTS, PARAM_NAMES, RESIDUAL_STYLES, FusedDecoderLayer, LayerSpec
-from .linear import Linear, gemm_layout
+from .linear import Linear, gemm_layout, linear_layout
 from .mlp import FusedMLP, MLPSpec
 from .norms import FusedNorm, NormSpec
 from .rotary import RotaryTable
@@ -30,4 +30,5 @@ __all__ = [
     "StaticKVCache",
     "StepContext",
     "gemm_layout",
+    "linear_layout",
 ]

@@ -1,14 +1,42 @@
-"""A linear layer that adopts existing parameters (no allocation, no re-initialization)."""
+"""A linear layer that adopts existing parameters (no allocation, no re-initialization).
+
+CPU fp32 decoding (1-3 rows) is a matrix-vector product bound by the bytes of the weight. torch's ``F.linear`` runs
+MKL's ``sgemm`` there, which streams a row-major weight at about 11 GB/s on this project's 2-core EPYC (1 thread),
+a K-major one at 12-20 GB/s. Two faster ways over the *row-major* weight (the layout HF stores) exist in plain torch:
+
+* inside ``torch.compile`` (the compiled CPU decode step): the product written as a reduction,
+  ``(x * w).sum(-1)``, which inductor turns into one vectorized C++ loop that streams the weight once, row after
+  row (17-27 GB/s per shape);
+* eagerly at one thread: a batched GEMM over blocks of :data:`GEMV_BLOCK` weight rows (``torch.bmm``), which MKL
+  runs on its small-matrix path without packing the weight first (faster than ``F.linear`` over either layout).
+
+So the fused layers' fp32 CPU weights stay row-major (:func:`linear_layout`) and :meth:`Linear.forward` takes those
+paths up to :data:`GEMV_MAX_ROWS` rows; docs/performance.md has the measurements. The LM head is HF's own
+``nn.Linear`` (called through ``F.linear``), so it keeps the K-major layout (:func:`gemm_layout`).
+``HF_DSINFER_CPU_GEMV=0`` (read when a model is injected) stores the fused linears K-major for ``F.linear`` instead,
+as before this path existed.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hf_dsinfer.kernels.quant_cpu  # noqa: F401 - registers torch.ops.hf_dsinfer.materialize
+
 from . import cpu_packed
+
+#: Most rows (``x.numel() // in_features``) that take the row-streaming GEMV; from ``cpu_packed.MIN_ROWS`` rows on,
+#: a oneDNN-prepacked GEMM (or ``F.linear``) reads the weight once for all rows anyway.
+GEMV_MAX_ROWS = cpu_packed.MIN_ROWS - 1
+#: Weight rows per batch item of the eager blocked GEMV (swept 16 / 64 / 192 on SmolLM2's shapes: 192 was best).
+GEMV_BLOCK = 192
+#: ``HF_DSINFER_CPU_GEMV=0`` (or false/off/no): fused fp32 CPU linears stored K-major and multiplied by ``F.linear``.
+ENV_VAR = "HF_DSINFER_CPU_GEMV"
 
 
 def wants_k_major(weight: torch.Tensor) -> bool:
@@ -16,8 +44,22 @@ def wants_k_major(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
+def linear_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` in the layout :class:`Linear` reads fastest: row-major (contiguous) for fp32 on CPU
+    (the row-streaming GEMV of decoding needs it; a K-major or sliced tensor is copied), as is elsewhere.
+    With ``HF_DSINFER_CPU_GEMV=0``: :func:`gemm_layout` (K-major for fp32 on CPU)."""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
+        return gemm_layout(weight)
+    if not wants_k_major(weight) or weight.ndim != 2 or weight.is_contiguous():
+        return weight
+    return weight.detach().contiguous()
+
+
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` in the memory layout the device's GEMM reads fastest; same shape and values.
+    """``weight [out, in]`` in the memory layout the device's GEMM (``F.linear``) reads fastest; same shape and values.
+
+    Used for weights that are multiplied through ``F.linear`` (HF's LM head); :class:`Linear`'s weights take
+    :func:`linear_layout` instead.
 
     On CPU that is K-major storage (a ``[in, out]`` buffer seen through ``.t()``, strides ``(1, out)``): ``F.linear``
     then runs ``x @ w_t`` over a contiguous ``w_t``, which oneDNN/MKL stream at about twice the bandwidth of the
@@ -72,7 +114,11 @@ class Linear(nn.Module):
         """``x [..., in] -> [..., out]``. ``defer_reduce`` (row-parallel only): return this rank's partial product
         without reducing and without the bias; the caller sums partials of several linears, reduces once and adds
         each bias (a parallel-residual block does this)."""
-        if cpu_packed.applies(x, self.weight, self):  # fp32 CPU, >= 4 rows: the prepacked oneDNN GEMM
+        if _row_gemv_applies(x, self.weight):  # fp32 CPU, 1-3 rows, row-major weight: decoding
+            y = _row_gemv(x, self.weight)  # [..., out]
+            if self.reduce is None:
+                return y if self.bias is None else y + self.bias
+        elif cpu_packed.applies(x, self.weight, self):  # fp32 CPU, >= 4 rows: the prepacked oneDNN GEMM
             if self.reduce is None:
                 return cpu_packed.linear(x, self.weight, self.bias, self)
             y = cpu_packed.linear(x, self.weight, None, self)
@@ -88,3 +134,40 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         tp = ", row_parallel=True" if self.reduce is not None else ""
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}{tp}"
+
+
+def _row_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp32 on CPU, a row-major weight, at most :data:`GEMV_MAX_ROWS` rows, and (eagerly) one thread: MKL's batched
+    small GEMMs are split over threads per block, which stalled on this busy 2-core machine; with more threads the
+    eager product stays ``F.linear`` (the compiled reduction is one loop on one thread whatever the thread count)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.ndim != 2:
+        return False
+    if not weight.is_contiguous() or x.shape[-1] != weight.shape[1]:
+        return False
+    if x.numel() > GEMV_MAX_ROWS * weight.shape[1] or x.numel() == 0:
+        return False
+    return torch.compiler.is_compiling() or torch.get_num_threads() == 1
+
+
+def _row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight.T`` for a few rows over a row-major ``weight [N, K]``, reading it once; ``[..., N]``."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)  # [M, K], M <= GEMV_MAX_ROWS
+    if torch.compiler.is_compiling():
+        # An opaque copy first: otherwise inductor fuses x's producer (the RMSNorm, the SiLU-and-mul) into the loop
+        # below and recomputes it for every weight row. Then [N, M, K] products summed over K: inductor emits one
+        # loop over the N weight rows, each row read once from memory and reused from L1 for the M activation rows.
+        x2 = torch.ops.hf_dsinfer.materialize(x2)
+        y = (weight[:, None, :] * x2[None, :, :]).sum(-1).t()  # [M, N]
+        return y.reshape(*x.shape[:-1], n)
+    blocks = n // GEMV_BLOCK
+    head = blocks * GEMV_BLOCK  # rows in whole blocks; the rest (< GEMV_BLOCK) through F.linear
+    xt = x2.t()  # [K, M]
+    parts = []
+    if blocks:
+        w = weight[:head].view(blocks, GEMV_BLOCK, k)  # [nb, B, K]
+        parts.append(torch.bmm(w, xt.expand(blocks, k, x2.shape[0])).permute(2, 0, 1).reshape(-1, head))  # [M, nb*B]
+    if head < n:
+        parts.append(F.linear(x2, weight[head:]))  # [M, N - head]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [M, N]
+    return y.view(*x.shape[:-1], n)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..log import logger, warn_once
-from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout
+from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout, linear_layout
 from ..modules.quant_linear import QUANT_SUFFIXES, is_quantized_weight, pack_quantized, release_quantized
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
@@ -260,8 +260,13 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
                         quantized += [hf_layer.get_submodule(n.rpartition(".")[0]) for n in src.names()]
                     continue
             packed = src.pack(hf_layer.get_parameter)
-            tensor = gemm_layout(packed) if fused_name in LINEAR_WEIGHTS else packed
-            owned = tensor is not packed  # CPU: a K-major copy, so even a shared HF weight can be freed
+            if fused_name in LINEAR_WEIGHTS:
+                # Decoders: the layout of Linear's decode GEMV (row-major); encoders never decode, and their
+                # many-row GEMMs read the K-major layout a few percent faster (docs/performance.md).
+                tensor = linear_layout(packed) if specs[i].attention.causal else gemm_layout(packed)
+            else:
+                tensor = packed
+            owned = tensor is not packed  # a copy (CPU fp32), so even a shared HF weight can be freed
             if isinstance(tensor, nn.Parameter):
                 params[fused_name] = tensor
             else:

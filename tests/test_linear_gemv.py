@@ -1,0 +1,81 @@
+"""The row-streaming GEMV of CPU fp32 decoding (modules/linear.py): same values as ``F.linear``, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dsinfer.modules import linear as linear_mod
+from hf_dsinfer.modules.linear import GEMV_BLOCK, GEMV_MAX_ROWS, Linear, linear_layout
+
+# Output widths: below one block, whole blocks, and whole blocks plus a remainder (the F.linear tail).
+WIDTHS = (40, 2 * GEMV_BLOCK, 2 * GEMV_BLOCK + 24)
+
+
+def _linear(out_f: int, in_f: int, bias: bool, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(out_f, in_f, generator=g) / in_f**0.5, requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(out_f, generator=g), requires_grad=False) if bias else None
+    return Linear(w, b)
+
+
+@pytest.mark.parametrize("out_f", WIDTHS)
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_eager_gemv_matches_f_linear(one_thread, out_f, rows, bias):
+    lin = _linear(out_f, 96, bias)
+    x = torch.randn(rows, 1, 96, generator=torch.Generator().manual_seed(1))  # [B, 1, K]: B one-token rows
+    assert linear_mod._row_gemv_applies(x, lin.weight)
+    got = lin(x)
+    assert got.shape == (rows, 1, out_f)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_gemv_is_skipped_where_it_does_not_apply(one_thread):
+    lin = _linear(64, 32, False)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 32)  # the packed GEMM's rows
+    assert not linear_mod._row_gemv_applies(x, lin.weight)
+    k_major = lin.weight.t().contiguous().t()  # the layout gemm_layout gives an F.linear weight
+    assert not linear_mod._row_gemv_applies(x[:1], k_major)
+    assert not linear_mod._row_gemv_applies(x[:1].double(), lin.weight.double())
+    torch.set_num_threads(2)
+    assert not linear_mod._row_gemv_applies(x[:1], lin.weight)  # eager with threads: F.linear
+
+
+def test_linear_layout_is_row_major_for_fp32_cpu():
+    w = torch.randn(48, 16)
+    assert linear_layout(w) is w
+    k_major = w.t().contiguous().t()
+    laid = linear_layout(k_major)
+    assert laid.is_contiguous() and torch.equal(laid, w)
+    half = k_major.half()
+    assert linear_layout(half) is half  # only fp32 CPU weights are re-laid
+
+
+@torch.no_grad()
+def test_compiled_gemv_matches_f_linear():
+    """Inside torch.compile the product is an inductor reduction (one loop over the weight rows)."""
+    lins = [_linear(out_f, 80, bias, seed=i) for i, (out_f, bias) in enumerate([(40, True), (2 * GEMV_BLOCK, False)])]
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        h = torch.nn.functional.silu(x)  # a producer the materialize barrier keeps out of the GEMV loop
+        return [lin(h) for lin in lins]
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows))
+        for lin, got in zip(lins, compiled(x)):
+            want = F.linear(F.silu(x), lin.weight, lin.bias)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_keeps_the_k_major_layout(monkeypatch):
+    """``HF_DSINFER_CPU_GEMV=0``: the previous layout (K-major, multiplied by F.linear)."""
+    monkeypatch.setenv(linear_mod.ENV_VAR, "0")
+    laid = linear_layout(torch.randn(48, 16))
+    assert laid.stride() == (1, 48)
+    assert not linear_mod._row_gemv_applies(torch.randn(1, 16), laid)
