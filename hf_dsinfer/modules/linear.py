@@ -146,14 +146,14 @@ def _row_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.numel() > GEMV_MAX_ROWS * weight.shape[1] or x.numel() == 0:
         return False
-    return torch.compiler.is_compiling() or torch.get_num_threads() == 1
+    return torch.compiler.is_dynamo_compiling() or torch.get_num_threads() == 1
 
 
 def _row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight.T`` for a few rows over a row-major ``weight [N, K]``, reading it once; ``[..., N]``."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K], M <= GEMV_MAX_ROWS
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():  # not is_compiling(): a background compile sets that process-wide
         # An opaque copy first: otherwise inductor fuses x's producer (the RMSNorm, the SiLU-and-mul) into the loop
         # below and recomputes it for every weight row. Then [N, M, K] products summed over K: inductor emits one
         # loop over the N weight rows, each row read once from memory and reused from L1 for the M activation rows.
