@@ -134,6 +134,11 @@ def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-points", default="1x512,8x512,1x2048", help="--prefill: BATCHxLENGTH list")
     g.add_argument("--profile-step", action="store_true", help="per-op torch.profiler table of one decode step of "
                    "SmolLM2 in fp32/int8/int4, eager and compiled (--preset smollm2-real, --threads, --new-tokens)")
+    g.add_argument("--compile-pending", action="store_true", help="SmolLM2: generate calls while the CPU decode step "
+                   "compiles in the background against plain HF eager, a fresh process and compile cache per run "
+                   "(hf_dsinfer/bench/compile_pending.py; --repeats runs, --new-tokens, --prompt-len, --threads)")
+    g.add_argument("--pending-variants", default="default", help="--compile-pending: comma-separated variants of the "
+                   "background compile, runs alternating (see compile_pending.VARIANTS)")
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,6 +219,10 @@ def bench_main(ns: argparse.Namespace) -> dict:
         from .prefill import prefill_main
 
         return prefill_main(ns)
+    if getattr(ns, "compile_pending", False):
+        from .compile_pending import pending_main
+
+        return pending_main(ns)
     if getattr(ns, "profile_step", False):
         from .decode import profile_main
 
