@@ -153,7 +153,21 @@ def test_smollm2_name_resolves(tmp_path, monkeypatch):
 def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplog):
     """The notice appears once when the compile starts (in the background), decoding goes on eagerly meanwhile, the
     compiled step is swapped in once ready, and the greedy tokens are HF's throughout; nothing with cpu_compile off."""
+    import threading
+
+    from hf_dsinfer.generation import compiled_cpu
+
     monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
+    # the compile thread lowers its own priority (1 here: a test suite on a busy machine must not starve it)
+    monkeypatch.setenv(compiled_cpu.NICE_ENV, "1")
+    lowered = []
+    real_lower = compiled_cpu._lower_priority
+
+    def spy(nice: int) -> None:
+        lowered.append((threading.current_thread().name, nice))
+        real_lower(nice)
+
+    monkeypatch.setattr(compiled_cpu, "_lower_priority", spy)
     ids = torch.tensor([[5, 9, 3, 7]])
     want = oracle.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -172,6 +186,7 @@ def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplo
         assert len(notices) == 1 and notices[0].levelno == logging.WARNING
         assert "in the background" in notices[0].getMessage() and "'cpu_compile': False" in notices[0].getMessage()
         assert compiled.wait(timeout=600) and not compiled.failed and set(compiled.compile_s) == {1}
+        assert lowered == [("hf_dsinfer-compile-1", 1)]  # in the compile thread only
         replays = compiled.runner.stats.replays
         assert torch.equal(model.generate(ids, **kwargs), want)  # compiled now
         assert compiled.runner.stats.replays == replays + 11  # every decode step ran compiled
@@ -252,3 +267,38 @@ def test_eager_steps_leave_a_core_to_a_background_compile():
             assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="per-thread priorities (Linux)")
+def test_background_compile_lowers_only_its_own_priority(monkeypatch):
+    """The compile thread runs at nice 19 by default (HF_DSINFER_COMPILE_NICE overrides; 0 keeps the caller's), the
+    calling thread keeps its priority, and a bad value is refused naming the variable."""
+    import os
+    import threading
+
+    from hf_dsinfer.generation import compiled_cpu
+
+    def nice_of_this_thread() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    caller = nice_of_this_thread()
+    for env, want in ((None, 19), ("7", max(7, caller)), ("0", caller)):
+        if env is None:
+            monkeypatch.delenv(compiled_cpu.NICE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(compiled_cpu.NICE_ENV, env)
+        seen: list[int] = []
+
+        def compile_thread(nice: int = compiled_cpu.compile_nice(), seen: list[int] = seen) -> None:
+            compiled_cpu._lower_priority(nice)
+            seen.append(nice_of_this_thread())
+
+        thread = threading.Thread(target=compile_thread)
+        thread.start()
+        thread.join(30)
+        assert seen == [want]
+        assert nice_of_this_thread() == caller
+    for bad in ("low", "-5", "20"):
+        monkeypatch.setenv(compiled_cpu.NICE_ENV, bad)
+        with pytest.raises(ValueError, match=compiled_cpu.NICE_ENV):
+            compiled_cpu.compile_nice()
