@@ -26,8 +26,8 @@ from typing import Any
 #: Variant name -> environment of the child (read by hf_dsinfer.generation.compiled_cpu) and the child's settings of
 #: compiled_cpu's module constants.
 VARIANTS: dict[str, tuple[dict[str, str], dict[str, int]]] = {
-    "default": ({}, {}),  # the compile at nice 19, eager steps on torch's threads
-    "nice-fewer-threads": ({}, {"LEAVE_A_CORE_AT_NICE": 19}),  # the compile at nice 19, steps on one thread fewer
+    "default": ({}, {}),  # the compile at nice 19, eager steps on one thread fewer
+    "nice-all-threads": ({}, {"LEAVE_A_CORE_AT_NICE": 0}),  # the compile at nice 19, steps on torch's threads
     "normal-priority": ({"HF_DSINFER_COMPILE_NICE": "0"}, {}),  # the compile at the caller's priority (one fewer)
 }
 MAX_CALLS = 30  # per process: hf_dsinfer calls (each beside an HF call), bounded
