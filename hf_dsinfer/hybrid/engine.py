@@ -26,6 +26,7 @@ from ..generation.api import GEN_ATTR
 from ..log import logger
 from ..modules import cpu_packed
 from ..policies import get_injection, inject
+from .build import match_layer_lists, retie
 from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
 from .engine_generate import GenerateMixin
 from .stats import HybridStats
@@ -198,7 +199,7 @@ class HybridEngine(GenerateMixin):
         dtype = self.config.torch_dtype
         with torch.device("meta"):  # structure only: no memory, no random init
             infer = hf_compat.model_from_config(type(hf), config, dtype=dtype)
-        self._match_layer_lists(infer)
+        match_layer_lists(self.weights, infer)
         self.weights.check_modules(infer)  # unknown adapters are refused before any memory is allocated
         if self.tp is not None:
             self.tp.shard(infer)  # on meta: only this rank's slices are allocated below
@@ -206,7 +207,7 @@ class HybridEngine(GenerateMixin):
         for name, p in infer.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         infer.to_empty(device=self.device)
-        self._retie(infer, [names for names in aliases.values() if len(names) > 1])
+        retie(infer, [names for names in aliases.values() if len(names) > 1])
         with torch.no_grad():
             # Buffers (rotary frequencies) come from the training model: injection builds its tables from them.
             for name, buf in infer.named_buffers():
@@ -262,47 +263,6 @@ class HybridEngine(GenerateMixin):
             self._shared = shared
             shared.refresh_lora(self.weights)
             cpu_packed.invalidate(infer)
-
-    def _match_layer_lists(self, infer: nn.Module) -> None:
-        """Give the (meta) inference copy the layer lists the training model actually has.
-
-        The config can overstate them: DeepSpeed's Hybrid Engine tests shrink a model by popping decoder layers after
-        loading, leaving ``num_hidden_layers`` as it was. Layers removed from the end are followed (the copy keeps its
-        first ``n`` layers and its config says ``n``); any other difference is refused, naming the list.
-        """
-        for path, modules in list(infer.named_modules()):
-            if not isinstance(modules, nn.ModuleList):
-                continue
-            try:
-                trained = self.weights.module(path)
-            except KeyError:
-                continue  # reported by the refresh, which names the missing parameter
-            n = len(trained)
-            if n == len(modules):
-                continue
-            indices = [getattr(getattr(m, "self_attn", None), "layer_idx", i) for i, m in enumerate(trained)]
-            if n > len(modules) or indices != list(range(n)):
-                raise ValueError(
-                    f"the training model's {path!r} holds {n} modules but its config builds {len(modules)}"
-                    f"{'' if n > len(modules) else ' and they are not the first ' + str(n)}; the Hybrid Engine follows "
-                    "layers removed from the end only. Set the config (e.g. num_hidden_layers) to match the model."
-                )
-            parent, _, leaf = path.rpartition(".")
-            setattr(infer.get_submodule(parent), leaf, nn.ModuleList(list(modules)[:n]))
-            cfg = getattr(infer.config, "get_text_config", lambda: infer.config)()
-            if getattr(cfg, "num_hidden_layers", None) == len(modules):
-                cfg.num_hidden_layers = n  # the cache and generation read the layer count from here
-                if isinstance(getattr(cfg, "layer_types", None), list):
-                    cfg.layer_types = cfg.layer_types[:n]
-
-    @staticmethod
-    def _retie(model: nn.Module, groups: list[list[str]]) -> None:
-        """``to_empty`` gives each module its own tensor: point tied names back at one parameter."""
-        for names in groups:
-            keep = model.get_parameter(names[0])
-            for name in names[1:]:
-                path, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(path), leaf, keep)
 
     def _plan(self, infer: nn.Module) -> None:
         """Which inference parameters come from fused weight maps and which are copied by name; every one must be
