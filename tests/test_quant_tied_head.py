@@ -97,12 +97,15 @@ def test_tied_quantized_head_saves_a_plain_tied_checkpoint(tiny, tmp_path):
 
 @torch.no_grad()
 def test_repeated_rows_with_a_quantized_tied_head(tiny):
-    # prefix sharing (repeated prompts prefill once) sizes the KV cache from the embedding's float dtype
+    # prefix sharing (repeated prompts prefill once) and serving size the KV cache from the float dtype
     model = _load(tiny(True), INT8_HEAD)
     row = torch.tensor([[5, 9, 13, 2, 7]])
     one = model.generate(input_ids=row, max_new_tokens=5, do_sample=False, pad_token_id=0)
     three = model.generate(input_ids=row.repeat(3, 1), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(three, one.repeat(3, 1))
+    from hf_dsinfer.serving.sizing import kv_bytes_per_token
+
+    assert kv_bytes_per_token(model)[1] == torch.float32  # the serving KV cache too (the head's weight is int8)
 
 
 def test_lm_head_bits_is_checked():
