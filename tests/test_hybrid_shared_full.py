@@ -73,24 +73,28 @@ def test_full_finetune_shares_storage_and_follows_optimizer_steps(monkeypatch):
     assert not torch.equal(first, got), "the updates change the completions (so the test can see a stale copy)"
 
 
-def test_rebound_weight_is_copied_with_a_warning(caplog):
+@pytest.mark.parametrize("how", ["rebound", "replaced"])
+def test_rebound_weight_is_copied_with_a_warning(caplog, how):
     model = build_tiny("llama", seed=0).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     he = HybridEngine(model, inference_config={"max_out_tokens": 32, "cpu_compile": False})
-    q = model.model.layers[0].self_attn.q_proj.weight
-    q.data = q.data.clone()  # what model.to(...) or load_state_dict(assign=True) does: no longer the shared storage
+    attn = model.model.layers[0].self_attn
+    if how == "rebound":  # what model.to(...) or load_state_dict(assign=True) does: no longer the shared storage
+        attn.q_proj.weight.data = attn.q_proj.weight.data.clone()
+    else:  # another Parameter under the same name (fully_shard, a replaced module): the old one is shared, unused
+        attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.detach().clone())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = _gen()
     _step(model, opt, gen["input_ids"])
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         with he.inference():
             got = he.generate(**gen)
-    assert sum("no longer shares" in r.getMessage() for r in caplog.records) == 1
+    assert sum("q_proj.weight no longer shares" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(got, _hf_greedy(model, gen))
     _step(model, opt, gen["input_ids"])  # copied at every refresh from now on, warned once
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
         with he.inference():
             got = he.generate(**gen)
-    assert sum("no longer shares" in r.getMessage() for r in caplog.records) == 1
+    assert sum("q_proj.weight no longer shares" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(got, _hf_greedy(model, gen))
 
 

@@ -100,9 +100,9 @@ class SharedBase:
         self.shared: set[int] = set()
         self.trainable: set[int] = set()
         self.lora: list[tuple[LoRALinear, list[tuple[int, nn.Module]]]] = []
-        # (inference param, row offset, training param, the address it must keep) for every shared slice
-        self.links: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
-        self.broken: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # links rebound since: copied at each refresh
+        # (inference param, row offset, HF name, training param, the address it must keep) for every shared slice
+        self.links: list[tuple[torch.Tensor, int, str, torch.Tensor, int]] = []
+        self.broken: list[tuple[torch.Tensor, int, str]] = []  # links cut since: copied at each refresh, by name
         self.bytes_shared = 0
         self.plain_model = engine.weights.peft_model is None
         w = engine.weights
@@ -120,7 +120,7 @@ class SharedBase:
         for name, param in engine._plain:
             base, lora = _base_param(w, name)
             if lora is None and self._can_share(name, base, param, w):
-                self._adopt(param, [base])
+                self._adopt(param, [base], [name])
 
     # -- deciding --------------------------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class SharedBase:
         if adapted and (type(owner) is not Linear or owner.reduce is not None):
             _once(f"{fused_name}: LoRA on a {type(owner).__name__} has no side path; copied, not shared")
             return
-        self._adopt(param, bases)
+        self._adopt(param, bases, [prefix + n for n in names])
         if not adapted:
             return
         rank = sum(lo.lora_A[a].weight.shape[0] for lo, acts in active for a in acts)
@@ -189,15 +189,15 @@ class SharedBase:
             offset += base.shape[0]
         self.lora.append((side, [(r, lo) for r, lo, _ in rows]))
 
-    def _adopt(self, param: torch.Tensor, bases: list[torch.Tensor]) -> None:
-        """Fill ``param``'s row slices with ``bases`` and make each base a view of its slice."""
+    def _adopt(self, param: torch.Tensor, bases: list[torch.Tensor], names: list[str]) -> None:
+        """Fill ``param``'s row slices with ``bases`` (HF names ``names``) and make each base a view of its slice."""
         offset = 0
         with torch.no_grad():
-            for base in bases:
+            for base, name in zip(bases, names):
                 view = param.data.narrow(0, offset, base.shape[0])
                 view.copy_(base.detach())
                 base.data = view  # the training parameter now reads the inference buffer; its old storage is freed
-                self.links.append((param, offset, base, view.data_ptr()))
+                self.links.append((param, offset, name, base, view.data_ptr()))
                 offset += base.shape[0]
         self.shared.add(id(param))
         if any(b.requires_grad for b in bases):
@@ -207,24 +207,26 @@ class SharedBase:
     # -- refreshing ------------------------------------------------------------------------------------------------
 
     def copy_unlinked(self, weights: Any) -> None:
-        """Copy the training tensors whose ``.data`` was rebound since they were shared (they no longer write the
-        inference buffer) into their slices; one warning per tensor when it is first seen."""
+        """Copy the training tensors that no longer share the inference buffer into their slices: their ``.data`` was
+        rebound, or the model holds another parameter under that name now (``fully_shard``, a replaced module). One
+        warning per tensor when first seen; the current parameter is read by name at every refresh after that."""
         intact = []
-        for param, offset, base, ptr in self.links:
-            if base.data_ptr() == ptr:
-                intact.append((param, offset, base, ptr))
+        for param, offset, name, base, ptr in self.links:
+            if _base_param(weights, name)[0] is base and base.data_ptr() == ptr:
+                intact.append((param, offset, name, base, ptr))
                 continue
             logger.warning(
-                "hf_dsinfer HybridEngine: a training weight of shape %s no longer shares the inference copy's storage "
-                "(its .data was rebound, e.g. by model.to() or load_state_dict(assign=True)); it is copied at each "
-                "refresh from now on", tuple(base.shape),
+                "hf_dsinfer HybridEngine: the training weight %s no longer shares the inference copy's storage (its "
+                ".data was rebound, e.g. by model.to() or load_state_dict(assign=True), or the parameter was "
+                "replaced); it is copied at each refresh from now on", name,
             )  # fmt: skip
-            self.broken.append((param, offset, base))
+            self.broken.append((param, offset, name))
             self.trainable.add(id(param))  # rewritten at each refresh: its packed copies follow
         self.links = intact
         with torch.no_grad():
-            for param, offset, base in self.broken:
-                param.data.narrow(0, offset, base.shape[0]).copy_(weights.full(base.detach()))
+            for param, offset, name in self.broken:
+                current = weights.full(_base_param(weights, name)[0].detach())
+                param.data.narrow(0, offset, current.shape[0]).copy_(current)
 
     def unchanged(self) -> set[int]:
         """Ids of the shared inference parameters no refresh rewrites (the frozen base): their packs stay valid."""
