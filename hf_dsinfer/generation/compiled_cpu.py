@@ -96,8 +96,9 @@ def _leave_a_core():
 #: Nice value of the background compile's thread (Linux sets priorities per thread; the C++ compiler processes and
 #: helper threads it starts inherit it, inductor's compile thread pool included, which lives on in the process). 19,
 #: the lowest: when the eager steps and the compile want the same core, the kernel runs the step first. SmolLM2 on 2
-#: cores at a load of 3-11 (loaded figures, 3 runs each, docs/generation.md): calls while compiling took 130-1198 ms per
-#: token at normal priority, 51-756 ms at 19 (HF eager alone: 134-157 ms); the compile took 228-523 s against 760 s.
+#: cores at a load of 2-11 (loaded figures, docs/generation.md): calls while compiling took 130-1198 ms per
+#: token at normal priority, 42-1385 ms at 19 (4 runs; HF eager alone: 134-194 ms); the compile took 228-523 s
+#: against 284-760 s.
 #: ``HF_DSINFER_COMPILE_NICE`` overrides it (0: the caller's priority).
 COMPILE_NICE = 19
 NICE_ENV = "HF_DSINFER_COMPILE_NICE"
