@@ -35,6 +35,15 @@ def test_eager_gemv_matches_f_linear(one_thread, out_f, rows, bias):
 
 
 @torch.no_grad()
+def test_eager_gemv_with_two_threads_matches_f_linear(one_thread):
+    torch.set_num_threads(2)  # MKL splits the blocked bmm over its threads: same values
+    lin = _linear(2 * GEMV_BLOCK + 24, 96, True)
+    x = torch.randn(GEMV_MAX_ROWS, 1, 96, generator=torch.Generator().manual_seed(2))
+    assert linear_mod._row_gemv_applies(x, lin.weight)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_gemv_is_skipped_where_it_does_not_apply(one_thread):
     lin = _linear(64, 32, False)
     x = torch.randn(GEMV_MAX_ROWS + 1, 32)  # the packed GEMM's rows
@@ -43,7 +52,7 @@ def test_gemv_is_skipped_where_it_does_not_apply(one_thread):
     assert not linear_mod._row_gemv_applies(x[:1], k_major)
     assert not linear_mod._row_gemv_applies(x[:1].double(), lin.weight.double())
     torch.set_num_threads(2)
-    assert not linear_mod._row_gemv_applies(x[:1], lin.weight)  # eager with threads: F.linear
+    assert linear_mod._row_gemv_applies(x[:1], lin.weight)  # any thread count: the blocked bmm (measured faster)
 
 
 def test_linear_layout_is_row_major_for_fp32_cpu():
