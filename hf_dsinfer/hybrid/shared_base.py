@@ -135,7 +135,7 @@ class SharedBase:
             return False
         if base.dtype != param.dtype or base.device != param.device:
             _once(f"{name}: the training weight is {base.dtype} on {base.device}, the inference copy "
-                  f"{param.dtype} on {param.device}; frozen weights are copied, not shared")  # fmt: skip
+                  f"{param.dtype} on {param.device}; copied at each refresh, not shared")  # fmt: skip
             return False
         return True
 
