@@ -26,11 +26,12 @@ from typing import Any
 #: Variant name -> environment of the child (read by hf_dsinfer.generation.compiled_cpu) and the child's settings of
 #: compiled_cpu's module constants.
 VARIANTS: dict[str, tuple[dict[str, str], dict[str, int]]] = {
-    "default": ({}, {}),  # the compile at nice 19, eager steps on one thread fewer
+    "default": ({}, {}),  # nice 19, eager steps on one thread fewer, the compile parked during steps
     "nice-all-threads": ({}, {"LEAVE_A_CORE_AT_NICE": 0}),  # the compile at nice 19, steps on torch's threads
     "normal-priority": ({"HF_DSINFER_COMPILE_NICE": "0"}, {}),  # the compile at the caller's priority (one fewer)
+    "unparked": ({}, {"PARK_COMPILE": 0}),  # as default, but the compile's Python is never parked during steps
 }
-MAX_CALLS = 30  # per process: hf_dsinfer calls (each beside an HF call), bounded
+MAX_CALLS = 60  # per process: hf_dsinfer calls (each beside an HF call), bounded
 MAX_SECONDS = 900.0  # per process: the compile of SmolLM2 takes 1-3 minutes on 2 cores
 CALLS_AFTER = 2  # hf_dsinfer calls after the compile is done (the compiled step), each beside an HF call
 REFERENCE_CALLS = 3  # HF eager calls before anything compiles
@@ -74,7 +75,10 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
     ours = transformers.AutoModelForCausalLM.from_pretrained(path, inference_config=config).eval()
     compiled = getattr(ours, GEN_ATTR).step.compiled
     ids = torch.randint(3, hf.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    _ms_per_token(hf, ids, 4)  # warm-up: first-call allocations
+    _ms_per_token(hf, ids, 4)  # warm-up: first-call allocations (both models; ours with compiling off, read per step)
+    os.environ["HF_DSINFER_CPU_COMPILE"] = "0"
+    _ms_per_token(ours, ids, 4)
+    os.environ["HF_DSINFER_CPU_COMPILE"] = "1"
     calls: list[dict[str, Any]] = []
     for _ in range(REFERENCE_CALLS):
         calls.append(dict(who="hf", state="alone", ms=_ms_per_token(hf, ids, new_tokens), load=_load()))
@@ -93,8 +97,11 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
         if after >= CALLS_AFTER or time.monotonic() - t_start > MAX_SECONDS or compiled.failed:
             break
     # compile_s None: still compiling after the last call (the child then exits without waiting for it)
+    from ..generation.compile_gate import GATE
+
     return dict(calls=calls, compile_s=compiled.compile_s.get(1), failed=compiled.failed,
-                threads=torch.get_num_threads())  # fmt: skip
+                threads=torch.get_num_threads(), parked_s=round(GATE.parked_s, 1),
+                lent_s=round(GATE.lent_s, 1))  # fmt: skip
 
 
 def _summary(run: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from hf_dsinfer.kernels.backend import get_backend
 
 from ..log import logger
 from ..modules import cpu_packed
+from .compile_gate import GATE
 from .graph_runner import GraphRunner, StaticInput
 
 if TYPE_CHECKING:
@@ -110,6 +111,10 @@ NICE_ENV = "HF_DSINFER_COMPILE_NICE"
 #: one run each) were as fast (0.82x and 1.08x the HF eager call beside each, medians): a quiet machine decides
 #: (``hf-dsinfer bench --compile-pending --pending-variants default,nice-all-threads``).
 LEAVE_A_CORE_AT_NICE = 19
+
+#: Park a background compile's Python while a decode step runs, lending it a slice after each step
+#: (:mod:`.compile_gate`). False only for ``hf-dsinfer bench --compile-pending``'s ``unparked`` variant.
+PARK_COMPILE = True
 
 
 def compile_nice() -> int:
@@ -328,7 +333,8 @@ class CompiledCPUDecode:
         _lower_priority(nice)
         _DRY_RUN.on = True
         try:
-            with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
+            with parked, torch.set_grad_enabled(grad), warnings.catch_warnings():
                 _quiet_lru_cache_warning()
                 self._compiled(*args)
             raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised CompileOnly
@@ -363,7 +369,11 @@ class CompiledCPUDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T]``, ``positions [B, T]`` (``T = tokens``) -> fp32 logits ``[B, V]`` (decode) or
         ``[B, T, V]`` (verification); eager above the largest bucket and while the bucket compiles in the
-        background."""
+        background. While any background compile runs, the step runs with it parked (:mod:`.compile_gate`)."""
+        with GATE.step():
+            return self._step(input_ids, positions)
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         runner = self._ensure_runner()
         cpu_packed.sync()  # HF_DSINFER_CPU_PACKED -> the switch the graph reads (a change recompiles the bucket)
         batch = input_ids.shape[0]

@@ -1,0 +1,128 @@
+"""The gate that parks a background compile's Python while decode steps run (hf_dsinfer/generation/compile_gate.py).
+
+A stand-in compile thread counts its Python calls; the test thread plays the decoding thread. No torch.compile is
+needed: the gate only sees Python calls and steps (tests/test_first_hour.py runs a real background compile through it).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from hf_dsinfer.generation import compile_gate
+from hf_dsinfer.generation.compile_gate import CompileGate
+
+
+class _Compile:
+    """A thread doing Python work under ``gate.compiling()`` until stopped; ``calls`` counts its work items."""
+
+    def __init__(self, gate: CompileGate):
+        self.gate = gate
+        self.calls = 0
+        self.stop = threading.Event()
+        self.tracer_inside = None
+        self.tracer_after = "unset"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _work(self) -> None:
+        self.calls += 1
+
+    def _run(self) -> None:
+        with self.gate.compiling():
+            self.tracer_inside = sys.gettrace()
+            while not self.stop.is_set():
+                self._work()
+        self.tracer_after = sys.gettrace()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_no_step_no_parking():
+    """Without decode steps the compile runs freely, and its thread's tracer is restored when it ends."""
+    gate = CompileGate()
+    work = _Compile(gate)
+    work.thread.start()
+    try:
+        assert _wait_for(lambda: work.calls > 1000)
+        assert gate.parked_s == 0.0 and gate.compiling_threads == 1
+    finally:
+        work.finish()
+    assert work.tracer_inside is not None and work.tracer_after is None
+    assert gate.compiling_threads == 0 and gate.open
+
+
+def test_steps_park_the_compile_then_lend_it_a_slice(monkeypatch):
+    """While a step runs the compile makes no progress (one call at most: it parks at its next Python call), even
+    when the step sleeps (releases the GIL); after each step it runs for a slice; when steps stop it runs freely."""
+    monkeypatch.setattr(compile_gate, "IDLE_S", 0.2)
+    gate = CompileGate()
+    work = _Compile(gate)
+    with gate.step():  # the first step starts the compile, as a bucket's first eager step does
+        work.thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+        during = work.calls
+        time.sleep(0.1)  # a step that gives the GIL up: the parked compile still waits
+        assert work.calls - during <= 1
+    try:
+        # SLICE_FRACTION (0.25) of the step (>= 0.1 s), at most MAX_SLICE_S (0.05)
+        assert 0.025 <= gate.lent_s <= compile_gate.MAX_SLICE_S
+        assert not gate.open  # closed again after the slice: the caller's Python between steps runs alone
+        for _ in range(3):  # back-to-back steps with work between them (a generate call's loop)
+            with gate.step():
+                assert _wait_for(lambda: gate.parked == 1, 2.0)
+                during = work.calls
+                time.sleep(0.02)
+                assert work.calls - during <= 1
+            during = work.calls
+            time.sleep(0.01)  # the caller's own Python between steps: the compile stays parked
+            assert work.calls - during <= 1
+        assert gate.lent_s > 0 and gate.parked_s > 0
+        idle_from = work.calls
+        assert _wait_for(lambda: work.calls > idle_from + 1000, 5.0)  # no step for IDLE_S: it runs freely
+        assert gate.open
+    finally:
+        work.finish()
+
+
+def test_lent_slice_is_bounded(monkeypatch):
+    """A slow step lends at most MAX_SLICE_S."""
+    monkeypatch.setattr(compile_gate, "MAX_SLICE_S", 0.01)
+    gate = CompileGate()
+    work = _Compile(gate)
+    with gate.step():
+        work.thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+        time.sleep(0.2)
+    try:
+        assert gate.lent_s == pytest.approx(0.01)
+    finally:
+        work.finish()
+
+
+def test_switch_interval_is_restored():
+    """The short switch interval of a slice is the caller's again afterwards."""
+    gate = CompileGate()
+    before = sys.getswitchinterval()
+    work = _Compile(gate)
+    with gate.step():
+        work.thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+    try:
+        assert gate.lent_s > 0 and sys.getswitchinterval() == before
+    finally:
+        work.finish()
