@@ -25,11 +25,14 @@ few ints; the tensors can be registered as non-persistent buffers and the object
   and ``N`` a multiple of 16: a group size that is a multiple of 32 is expressed with the largest of those dividing
   it (scales repeated), per-channel weights with 128 (or less), ``K`` is padded with zero activations (the padded
   weight columns then add nothing) and ``N`` with zero rows sliced off the output.
-* ``dequant``: every spec. int8 values ``[N, K_pad]`` (int4 unpacked at pack time: one byte per weight, still a
-  quarter of fp32), ``K`` padded to whole groups; each call dequantizes with one broadcast multiply per group
-  (``(q - z) * s`` in fp32, the reference's values) and runs one ``F.linear``. Inside a compiled graph, at up to
-  :data:`FUSED_DEQUANT_MAX_ROWS` rows (decoding), it is instead one reduction over ``x * ((q - z) * s)`` that
-  inductor fuses into a single loop: the int8 values are read once and no fp32 weight is written per call.
+* ``dequant``: every spec. int8 values ``[N, K_pad]``, ``K`` padded to whole groups; int4 of an even group size
+  as nibbles ``[N, K_pad / 2]`` uint8 (two codes per byte, split per group: :mod:`.quant_cpu_fused`) with the
+  products ``z * s`` in place of the zeros, int4 of an odd group size one byte per code. Each call dequantizes
+  with one broadcast multiply per group (``(q - z) * s`` in fp32, the reference's values; nibbles ``u * s - z * s``,
+  one rounding apart) and runs one ``F.linear``. Inside a compiled graph, at up to :data:`FUSED_DEQUANT_MAX_ROWS`
+  rows (decoding), it is instead one reduction that inductor fuses into a single loop
+  (:func:`~.quant_cpu_fused.fused_matmul`, :func:`~.quant_cpu_fused.fused_nibble_matmul`): the stored bytes are
+  read once and no fp32 weight is written per call.
 
 Exactness: the ops take their scales in the activation dtype and return that dtype, so with
 ``compute_dtype=torch.float32`` (the default) activations are cast to fp32, the scales are kept in fp32 and the
@@ -58,6 +61,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .quant_cpu_fused import fused_matmul as _fused_matmul
+from .quant_cpu_fused import fused_nibble_matmul, pack_nibbles, unpack_nibbles
 from .quant_format import QuantSpec
 
 __all__ = [
@@ -88,10 +93,11 @@ class CpuPackedWeight:
     """A quantized weight packed for :func:`cpu_quant_matmul`.
 
     ``weight``: an :class:`Fp16Pack` (fp16gemm), int8 ``[N, K]`` (int8pack), torch's int4 layout ``[N_pad, K_pad / 2]``
-    uint8 (int4pack) or int8 ``[N, K_pad]`` values (dequant). ``scales``: fp32 ``[N]`` or ``[G, N]`` (fp16gemm),
-    ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero pairs (int4pack) or fp32 ``[N, G, 1]``
-    (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), the 0/1 group mask ``[G, K]`` (fp16gemm with
-    groups), else None. Ints and the spec are plain attributes, so ``torch.compile`` treats them as constants.
+    uint8 (int4pack) or int8 ``[N, K_pad]`` values / uint8 ``[N, K_pad / 2]`` nibbles (dequant). ``scales``: fp32
+    ``[N]`` or ``[G, N]`` (fp16gemm), ``[N]`` (int8pack), ``[K_pad / group, N_pad, 2]`` scale-and-zero pairs
+    (int4pack) or fp32 ``[N, G, 1]`` (dequant). ``zeros``: fp32 ``[N, G, 1]`` (dequant, asymmetric), fp32 ``z * s``
+    ``[N, G]`` (dequant nibbles), the 0/1 group mask ``[G, K]`` (fp16gemm with groups), else None. Ints and the spec
+    are plain attributes, so ``torch.compile`` treats them as constants.
     """
 
     kind: str
@@ -109,6 +115,9 @@ class CpuPackedWeight:
     # fp16gemm of int8 weights: (q [N, K] int8, s [N, G, 1] fp32, z [N, G, 1] fp32 or None), the stored integers (no
     # copy) that a compiled decode step reduces over directly (:func:`_fused_matmul`): 1 byte per weight, not 2.
     fused: tuple = ()
+    # dequant of int4 with an even group size: ``weight`` is [N, K_pad / 2] uint8, two codes per byte
+    # (quant_cpu_fused.pack_nibbles), ``zeros`` the fp32 products z * s ``[N, G]`` (8 * s when symmetric).
+    nibbles: bool = False
 
     def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
         import copy
@@ -312,7 +321,18 @@ def _pack(
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
         k_pad = gs * groups
-        if spec.num_bits == 4:
+        if spec.num_bits == 4 and gs % 2 == 0:
+            # Two codes per byte, in the split layout the compiled decode reduction reads (quant_cpu_fused.py);
+            # ``zeros`` holds z * s (8 * s symmetric), the term Q4_1's dot product subtracts per group.
+            from .quant_format import unpack_int4
+
+            u = F.pad(unpack_int4(qweight, k), (0, k_pad - k))  # [N, K_pad] codes in [0, 15], padding code 0
+            s = scales.float().reshape(n, groups, 1).contiguous()  # [N, G, 1]
+            z = zeros.float().reshape(n, groups, 1) if zeros is not None else torch.full_like(s, 8.0)
+            zs = (z * s).reshape(n, groups).contiguous()  # [N, G]
+            return CpuPackedWeight("dequant", pack_nibbles(u, gs), s, zs, spec, k, n, gs, k_pad, compute_dtype,
+                                   nibbles=True)  # fmt: skip
+        if spec.num_bits == 4:  # an odd group size (per channel at an odd K): one byte per code
             from .quant_format import unpack_int4
 
             q = unpack_int4(qweight, k).to(torch.int16)  # [N, K] in [0, 15]
@@ -356,36 +376,6 @@ def _fuse_dequant(packed: CpuPackedWeight, rows: int) -> bool:
     dequantize-then-``F.linear``; docs/performance.md)."""
     return (packed.compute_dtype == torch.float32 and rows <= FUSED_DEQUANT_MAX_ROWS
             and torch.compiler.is_compiling())  # fmt: skip
-
-
-def _fused_matmul(
-    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, gs: int, k_pad: int
-) -> torch.Tensor:
-    """``x [M, K] @ ((q - z) * s).T -> [M, N]`` fp32 as one reduction per output that dequantizes as it reads
-    (``q [N, K_pad]`` int8, ``s`` / ``z [N, G, 1]`` fp32), for decoding under torch.compile only.
-
-    The int8 values are read once and no fp32 weight is written and read back: inductor fuses the whole expression
-    into one C++ loop (eagerly it would materialize ``[M, N, K]`` temporaries). With groups each product is ``x``
-    times the reference's own weight value (``(q - z) * s`` in fp32); per channel the sum of ``x * (q - z)`` is
-    scaled once (as ``fp16gemm`` does): the reference up to fp32 rounding order.
-    """
-    n, groups = q.shape[0], s.shape[1]
-    w = q.view(1, n, groups, gs).to(torch.float32)  # [1, N, G, gs]
-    if z is not None:
-        w = w - z
-    # Per channel the row's scale multiplies the sum, as the fbgemm path does: one multiply fewer per weight (the 120
-    # matmuls of a SmolLM2 step, 1 thread, load 2.7-2.8: 8.9-9.1 ms against 9.2-9.6, six alternating rounds).
-    row_scale = groups == 1
-    if not row_scale:
-        w = w * s  # [1, N, G, gs] (never materialized: fused into the reduction)
-    xc = x.to(torch.float32)
-    if k_pad != x.shape[1]:
-        xc = F.pad(xc, (0, k_pad - x.shape[1]))
-    # A barrier: without it inductor inlines the producer of x (the RMSNorm, even the embedding gather) into the
-    # reduction and recomputes it for every output row: 2x slower steps on SmolLM2 (docs/performance.md).
-    xc = torch.ops.hf_dsinfer.materialize(xc)
-    y = (w * xc.view(-1, 1, groups, gs)).sum(dim=(-2, -1))  # [M, N]
-    return y * s.view(1, n) if row_scale else y
 
 
 # -- validation: a kind runs only where it computes the reference ----------------------------------------------------
@@ -490,13 +480,17 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
             dequant = _pack(*packed.source, packed.spec, packed.in_features, "dequant", torch.float32)
             return cpu_quant_matmul(x, dequant, bias)
     elif packed.kind == "dequant" and _fuse_dequant(packed, x2.shape[0]):
-        y = _fused_matmul(x2, packed.weight, packed.scales, packed.zeros, packed.group, packed.k_padded)
+        fused = fused_nibble_matmul if packed.nibbles else _fused_matmul  # int4 two codes per byte, or one
+        y = fused(x2, packed.weight, packed.scales, packed.zeros, packed.group, packed.k_padded)
     elif packed.kind == "dequant":
         n, groups = packed.out_features, packed.scales.shape[1]
-        q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]
-        if packed.zeros is not None:
-            q = q - packed.zeros
-        w = (q * packed.scales).view(n, packed.k_padded).to(packed.compute_dtype)  # [N, K_pad], the reference's
+        if packed.nibbles:  # u * s - z * s: the reference's (u - z) * s up to one rounding
+            u = unpack_nibbles(packed.weight, packed.group).view(n, groups, packed.group).to(torch.float32)
+            w = u * packed.scales - packed.zeros.view(n, groups, 1)  # [N, G, gs]
+        else:
+            q = packed.weight.view(n, groups, packed.group).to(torch.float32)  # [N, G, gs]
+            w = (q - packed.zeros if packed.zeros is not None else q) * packed.scales
+        w = w.view(n, packed.k_padded).to(packed.compute_dtype)  # [N, K_pad], the reference's
         xc = x2.to(packed.compute_dtype)
         if packed.k_padded != packed.in_features:
             xc = F.pad(xc, (0, packed.k_padded - packed.in_features))
