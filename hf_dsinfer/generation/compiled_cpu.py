@@ -109,7 +109,10 @@ NICE_ENV = "HF_DSINFER_COMPILE_NICE"
 #: or below. 19: always. At nice 19 the compile yields its core to a step's second thread, but Python's interpreter lock
 #: it holds while tracing still delays that step; with one thread fewer or not, loaded runs (SmolLM2, 2 cores, load 6-7,
 #: one run each) were as fast (0.82x and 1.08x the HF eager call beside each, medians): a quiet machine decides
-#: (``hf-dsinfer bench --compile-pending --pending-variants default,nice-all-threads``).
+#: (``hf-dsinfer bench --compile-pending --pending-variants default,nice-all-threads``). Since the compile is parked
+#: during steps (:data:`PARK_COMPILE`), all threads would be free while it traces; tried (one thread fewer only while
+#: it waits for the C++ compiler): steps of up to 1.3 s per token at a load of 2-3 from other jobs (an OpenMP team of
+#: two on two busy cores), so the steps keep one thread fewer throughout.
 LEAVE_A_CORE_AT_NICE = 19
 
 #: Park a background compile's Python while a decode step runs, lending it a slice after each step
