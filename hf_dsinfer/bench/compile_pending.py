@@ -151,7 +151,8 @@ def _row(r: dict[str, Any]) -> str:
             f"{', '.join(f'{x:.0f}' for x in r['ours_pending_ms'])} | {r['slower_than_hf']} of "
             f"{len(r['ours_pending_ms'])} | {', '.join(f'{x:.0f}' for x in r['hf_pending_ms'])} | "
             f"{', '.join(f'{x:.0f}' for x in r['ours_compiled_ms'])} | {_median(r['ratio_to_next_hf'])} | "
-            f"{r['slower_than_next_hf']} of {len(r['ratio_to_next_hf'])} | {min(loads):.1f}-{max(loads):.1f} |")
+            f"{r['slower_than_next_hf']} of {len(r['ratio_to_next_hf'])} | {r.get('parked_s', '-')} / "
+            f"{r.get('lent_s', '-')} | {min(loads):.1f}-{max(loads):.1f} |")
 
 
 def _compile_text(r: dict[str, Any]) -> str:
@@ -166,8 +167,8 @@ def _median(xs: list[float]) -> str:
 
 HEADER = ("| run | variant | threads | compile s | HF eager alone, ms/token (median) | hf_dsinfer while compiling, "
           "each call | slower than HF alone | HF eager while compiling, each call | hf_dsinfer compiled | "
-          "hf_dsinfer / the HF call after it, median | slower than the HF call after it | load |\n"
-          "|---|---|---:|---:|---:|---|---|---|---|---:|---|---|")  # fmt: skip
+          "hf_dsinfer / the HF call after it, median | slower than the HF call after it | compile parked / lent, s | "
+          "load |\n|---|---|---:|---:|---:|---|---|---|---|---:|---|---|---|")  # fmt: skip
 
 
 def pending_main(ns) -> dict[str, Any]:
