@@ -179,3 +179,30 @@ def test_compiled_moe_step_runs_the_per_pair_op(name, tmp_path, compile_on, monk
         assert torch.equal(got.sequences, eager.sequences)
         for a, b in zip(got.logits, eager.logits):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_threads_setting(tmp_path, compile_on, monkeypatch):
+    """HF_DSINFER_COMPILE_THREADS gives the generated loops up to N threads (never more than torch's), "all" torch's
+    count; a bad value is refused naming the variable; the step compiled with it equals HF's greedy tokens."""
+    from hf_dsinfer.generation import compiled_cpu
+
+    env = compiled_cpu.COMPILE_THREADS_ENV
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.delenv(env, raising=False)
+        assert compiled_cpu.inductor_options()["cpp.threads"] == 1
+        for value, want in (("all", 2), ("1", 1), ("8", 2)):
+            monkeypatch.setenv(env, value)
+            assert compiled_cpu.inductor_options()["cpp.threads"] == want
+        for bad in ("0", "two"):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(ValueError, match=env):
+                compiled_cpu.inductor_options()
+        monkeypatch.setenv(env, "all")
+        ref, opt = _load("llama", tmp_path)
+        ids, mask = left_pad(prompts()[:1])
+        assert torch.equal(_gen(opt, ids, mask, n=6), _gen(ref, ids, mask, n=6))
+        assert getattr(opt, GEN_ATTR).step.compiled.compile_s  # it ran compiled
+    finally:
+        torch.set_num_threads(before)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -174,15 +175,37 @@ class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry 
 #: of regions stalled for whole scheduler time slices: 0.4-0.8 tok/s against HF eager's 0.9-1.6 in the same run, and
 #: 2.0-2.9 with one-thread loops (docs/generation.md has the runs). Part of the compile cache's key.
 INDUCTOR_OPTIONS = {"cpp.threads": 1}
+#: ``HF_DSINFER_COMPILE_THREADS=N`` (or ``all``: torch's thread count when the bucket's compile starts) gives the
+#: generated loops up to N threads instead, for a quiet machine: the decode GEMV loops then split their weight rows
+#: over the threads. Measured on SmolLM2 int4 (2 cores, 2 threads, load ~1.1, per compiled step): 13.3 / 12.8 ms with
+#: 2 against 18.1 / 18.4 ms with 1 (a loaded figure; the default stays 1 until a quiet comparison under contention).
+COMPILE_THREADS_ENV = "HF_DSINFER_COMPILE_THREADS"
 
 
-def _inductor_with_dry_run(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-    """torch.compile's backend: inductor's ``compile_fx`` (with :data:`INDUCTOR_OPTIONS`), and a wrapper that raises
-    :class:`CompileOnly` instead of running the graph while this thread is in a dry run. Dynamo has cached the guarded
-    code by then, so the next call with the same guards runs the compiled graph without compiling."""
+def inductor_options() -> dict[str, int]:
+    """:data:`INDUCTOR_OPTIONS` with :data:`COMPILE_THREADS_ENV` applied (read in the caller's thread)."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip().lower()
+    if not value:
+        return dict(INDUCTOR_OPTIONS)
+    threads = torch.get_num_threads()
+    try:
+        wanted = threads if value == "all" else int(value)
+    except ValueError:
+        wanted = 0
+    if wanted < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV} must be a thread count (1 or more) or 'all', got {value!r}; unset it "
+                         "for one thread per generated loop (the default)")  # fmt: skip
+    return {**INDUCTOR_OPTIONS, "cpp.threads": min(wanted, threads)}
+
+
+def _inductor_with_dry_run(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> object:
+    """torch.compile's backend: inductor's ``compile_fx`` (with ``options``, :data:`INDUCTOR_OPTIONS` by default), and
+    a wrapper that raises :class:`CompileOnly` instead of running the graph while this thread is in a dry run. Dynamo
+    has cached the guarded code by then, so the next call with the same guards runs the compiled graph without
+    compiling."""
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, example_inputs, config_patches=dict(INDUCTOR_OPTIONS))
+    compiled = compile_fx(gm, example_inputs, config_patches=dict(options or INDUCTOR_OPTIONS))
 
     def run(*args: object) -> object:
         if getattr(_DRY_RUN, "on", False):
@@ -302,8 +325,9 @@ class CompiledCPUDecode:
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
+            backend = functools.partial(_inductor_with_dry_run, options=inductor_options())  # the caller's threads
             self._compiled = torch.compile(
-                types.MethodType(traced, self.step), backend=_inductor_with_dry_run, fullgraph=True, dynamic=False
+                types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
             )
             cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
             row = (self.tokens,)
