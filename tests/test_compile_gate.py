@@ -126,3 +126,17 @@ def test_switch_interval_is_restored():
         assert gate.lent_s > 0 and sys.getswitchinterval() == before
     finally:
         work.finish()
+
+
+def test_a_park_is_bounded(monkeypatch):
+    """A step longer than PARK_MAX_S has the compile run alongside it (no deadlock on a lock the step needs)."""
+    monkeypatch.setattr(compile_gate, "PARK_MAX_S", 0.2)
+    monkeypatch.setattr(compile_gate, "IDLE_S", 0.05)
+    gate = CompileGate()
+    work = _Compile(gate)
+    with gate.step():
+        work.thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+        parked_at = work.calls
+        assert _wait_for(lambda: work.calls > parked_at + 1000, 5.0)  # it ran on inside the step
+    work.finish()

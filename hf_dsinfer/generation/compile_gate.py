@@ -33,6 +33,10 @@ from typing import Any
 SLICE_FRACTION = 0.2
 #: Most time lent after one step (a slow step of a large model does not hand the compile long stretches).
 MAX_SLICE_S = 0.05
+#: Longest single park: a step that lasts longer has the compile run alongside it (as without the gate). A bound, so
+#: that a parked compile holding a lock the step needs (a module it is importing halfway, say) delays the step
+#: instead of deadlocking it.
+PARK_MAX_S = 10.0
 #: The interpreter's switch interval during a slice (see :meth:`CompileGate.step`).
 SLICE_SWITCH_S = 0.0005
 #: A compile parked this long without a decode step in between runs freely until the next step starts.
@@ -86,6 +90,8 @@ class CompileGate:
                 self._go.wait(IDLE_S)  # releases the GIL while waiting
                 if not self.open and not self.steps and time.monotonic() - self.last_step_end >= IDLE_S:
                     self._set(True)  # no decode step for a while: the decoding thread is idle
+                if not self.open and time.monotonic() - t0 > PARK_MAX_S:
+                    self._set(True)  # see PARK_MAX_S: run alongside this step (the next one closes the gate again)
         finally:
             with self._lock:
                 self.parked -= 1

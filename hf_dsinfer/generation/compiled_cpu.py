@@ -249,7 +249,9 @@ class CompiledCPUDecode:
         self.tokens = tokens
         self.runner: GraphRunner | None = None
         self.failed = _has_collectives(step.runtime)
-        self._compiled = None
+        self._compiled = None  # the torch.compile wrapper (:meth:`_make_compiled`)
+        self._make_lock = threading.Lock()
+        self._options = dict(INDUCTOR_OPTIONS)
         self._slots: torch.Tensor | None = None  # [S] arange: its slices carry the attended length as a shape
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took (present: it runs compiled)
         self.eager_while_compiling = 0  # steps run eagerly because their bucket was still compiling
@@ -297,6 +299,7 @@ class CompiledCPUDecode:
             return self._compiled(input_ids, positions, slots)
         self._notice(bucket, background=False)
         t0 = time.perf_counter()
+        self._make_compiled()
         with warnings.catch_warnings():
             _quiet_lru_cache_warning()
             out = self._compiled(input_ids, positions, slots)
@@ -322,19 +325,27 @@ class CompiledCPUDecode:
 
     def _ensure_runner(self) -> GraphRunner:
         if self.runner is None:
-            # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
-            # against its recompile limit) per code object, so models must not share one.
-            traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
-            backend = functools.partial(_inductor_with_dry_run, options=inductor_options())  # the caller's threads
-            self._compiled = torch.compile(
-                types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
-            )
+            self._options = inductor_options()  # read here, in the caller's thread (its torch thread count)
             cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
             row = (self.tokens,)
             inputs = {"input_ids": StaticInput(row, torch.long, 0), "positions": StaticInput(row, torch.long, 0)}
             name = "decode" if self.tokens == 1 else f"verify{self.tokens}"
             self.runner = GraphRunner(self._bucketed, inputs, self.buckets, "cpu", use_graphs=False, name=name)
         return self.runner
+
+    def _make_compiled(self) -> None:
+        """Create the ``torch.compile`` wrapper (once). Its first creation imports dynamo and inductor (0.2-0.3 s on
+        the 2-core machine): a background compile does it in its own thread, parked like the rest of its Python."""
+        with self._make_lock:
+            if self._compiled is not None:
+                return
+            # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
+            # against its recompile limit) per code object, so models must not share one.
+            traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
+            backend = functools.partial(_inductor_with_dry_run, options=self._options)
+            self._compiled = torch.compile(
+                types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
+            )
 
     def _start_background(self, bucket: int) -> None:
         """Compile ``bucket`` in a daemon thread (once); the caller runs this step eagerly."""
@@ -363,6 +374,7 @@ class CompiledCPUDecode:
             parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
             with parked, torch.set_grad_enabled(grad), warnings.catch_warnings():
                 _quiet_lru_cache_warning()
+                self._make_compiled()
                 self._compiled(*args)
             raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised CompileOnly
         except CompileOnly:
