@@ -53,16 +53,22 @@ def _wait_for(predicate, timeout: float = 5.0) -> bool:
 
 
 def test_no_step_no_parking():
-    """Without decode steps the compile runs freely, and its thread's tracer is restored when it ends."""
+    """Without decode steps the compile runs freely, and its thread's tracer is restored when it ends; full
+    collections are rarer while it runs, gc's thresholds restored after."""
+    import gc
+
+    before = gc.get_threshold()
     gate = CompileGate()
     work = _Compile(gate)
     work.thread.start()
     try:
         assert _wait_for(lambda: work.calls > 1000)
         assert gate.parked_s == 0.0 and gate.compiling_threads == 1
+        assert gc.get_threshold() == (*before[:2], max(before[2], compile_gate.GC_FULL_THRESHOLD))
     finally:
         work.finish()
     assert work.tracer_inside is not None and work.tracer_after is None
+    assert gc.get_threshold() == before
     assert gate.compiling_threads == 0 and gate.open
 
 

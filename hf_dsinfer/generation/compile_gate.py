@@ -18,6 +18,7 @@ thread is not waiting for one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 import time
@@ -37,6 +38,8 @@ MAX_SLICE_S = 0.05
 #: that a parked compile holding a lock the step needs (a module it is importing halfway, say) delays the step
 #: instead of deadlocking it.
 PARK_MAX_S = 10.0
+#: gc's third threshold (second-generation collections between full ones; 10 by default) while a compile runs.
+GC_FULL_THRESHOLD = 1000
 #: The interpreter's switch interval during a slice (see :meth:`CompileGate.step`).
 SLICE_SWITCH_S = 0.0005
 #: A compile parked this long without a decode step in between runs freely until the next step starts.
@@ -55,6 +58,7 @@ class CompileGate:
         self.last_step_end = 0.0  # time.monotonic() when the last step ended
         self.compiling_threads = 0  # threads under the hook
         self.parked = 0  # compile threads waiting at the gate now
+        self._gc_threshold = gc.get_threshold()
         self.parked_s = 0.0  # total time compile threads spent parked (stats, tests)
         self.lent_s = 0.0  # total time decoding threads slept to let a parked compile run
 
@@ -64,6 +68,12 @@ class CompileGate:
         previous = sys.gettrace()  # a debugger's or coverage's tracer: restored afterwards
         with self._lock:
             self.compiling_threads += 1
+            if self.compiling_threads == 1:
+                self._gc_threshold = gc.get_threshold()
+                # Full collections are one C call holding the GIL over the whole heap: 254-371 ms each in the compile
+                # thread on SmolLM2 (a quiet machine), which no park can split, and the calls they overlapped were the
+                # slow ones. Rarer while compiling; young generations are collected as usual.
+                gc.set_threshold(*self._gc_threshold[:2], max(self._gc_threshold[2], GC_FULL_THRESHOLD))
         sys.settrace(self._hook)
         try:
             yield
@@ -72,6 +82,7 @@ class CompileGate:
             with self._lock:
                 self.compiling_threads -= 1
                 if not self.compiling_threads:
+                    gc.set_threshold(*self._gc_threshold)
                     self._set(True)
 
     def _hook(self, frame: FrameType, event: str, arg: Any) -> None:
