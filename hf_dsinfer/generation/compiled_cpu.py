@@ -251,7 +251,7 @@ class CompiledCPUDecode:
         self.failed = _has_collectives(step.runtime)
         self._compiled = None  # the torch.compile wrapper (:meth:`_make_compiled`)
         self._make_lock = threading.Lock()
-        self._options = dict(INDUCTOR_OPTIONS)
+        self.compile_options = dict(INDUCTOR_OPTIONS)  # inductor settings of this step's compiles
         self._slots: torch.Tensor | None = None  # [S] arange: its slices carry the attended length as a shape
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its compile took (present: it runs compiled)
         self.eager_while_compiling = 0  # steps run eagerly because their bucket was still compiling
@@ -325,7 +325,7 @@ class CompiledCPUDecode:
 
     def _ensure_runner(self) -> GraphRunner:
         if self.runner is None:
-            self._options = inductor_options()  # read here, in the caller's thread (its torch thread count)
+            self.compile_options = inductor_options()  # read here, in the caller's thread (its torch thread count)
             cpu_packed.prepare(self.step.model)  # slots for the packed GEMMs the graph may call (buckets >= 4)
             row = (self.tokens,)
             inputs = {"input_ids": StaticInput(row, torch.long, 0), "positions": StaticInput(row, torch.long, 0)}
@@ -342,7 +342,7 @@ class CompiledCPUDecode:
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
-            backend = functools.partial(_inductor_with_dry_run, options=self._options)
+            backend = functools.partial(_inductor_with_dry_run, options=self.compile_options)
             self._compiled = torch.compile(
                 types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
             )
