@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_dsinfer.kernels import quant_cpu
-from hf_dsinfer.kernels.quant_cpu import cpu_quant_matmul, pack_for_cpu
+from hf_dsinfer.kernels.quant_cpu import pack_for_cpu
 from hf_dsinfer.kernels.quant_format import QuantSpec, quant_matmul_reference, quantize_weight
+from quant_layer import QuantMatmulLayer
 
 EXACT = dict(rtol=1e-5, atol=1e-5)  # fp32 summation order only
 
@@ -18,15 +19,6 @@ SPECS = {
     "int4-g64-symmetric": QuantSpec(4, 64, True),
     "int8-g32-float-zero": QuantSpec(8, 32, False, float_zero=True),
 }
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, packed, bias):
-        super().__init__()
-        self.packed, self.bias = packed, bias
-
-    def forward(self, x):
-        return cpu_quant_matmul(x, self.packed, self.bias)
 
 
 @pytest.mark.slow
@@ -44,7 +36,7 @@ def test_compiled_fused_dequant_matches_reference(name, rows, monkeypatch):
     monkeypatch.setattr(quant_cpu, "_fuse_dequant", lambda p, r: calls.append(real(p, r)) or calls[-1])
     x = torch.randn(rows, k, generator=g)
     torch._dynamo.reset()
-    got = torch.compile(_Layer(packed, bias), fullgraph=True)(x)
+    got = torch.compile(QuantMatmulLayer(packed, bias), fullgraph=True)(x)
     want = quant_matmul_reference(x, q, s, z, spec, k, bias)
     torch.testing.assert_close(got, want, **EXACT)
     assert calls == [rows <= quant_cpu.FUSED_DEQUANT_MAX_ROWS]  # traced once; the fused branch only for few rows
@@ -71,7 +63,7 @@ def test_compiled_fp16gemm_int8_reads_the_integers(spec, rows, monkeypatch):
     bias = torch.randn(40, generator=g)
     x = torch.randn(rows, 96, generator=g)
     torch._dynamo.reset()
-    got = torch.compile(_Layer(packed, bias), fullgraph=True)(x)
+    got = torch.compile(QuantMatmulLayer(packed, bias), fullgraph=True)(x)
     torch.testing.assert_close(got, quant_matmul_reference(x, q, s, z, spec, 96, bias), **EXACT)
     if rows <= quant_cpu.FUSED_DEQUANT_MAX_ROWS:
         assert not fbgemm_calls

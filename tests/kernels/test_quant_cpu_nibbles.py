@@ -10,6 +10,7 @@ from hf_dsinfer.kernels import quant_cpu
 from hf_dsinfer.kernels.quant_cpu import cpu_quant_matmul, pack_for_cpu
 from hf_dsinfer.kernels.quant_cpu_fused import pack_nibbles, unpack_nibbles
 from hf_dsinfer.kernels.quant_format import QuantSpec, quant_matmul_reference, quantize_weight, unpack_int4
+from quant_layer import QuantMatmulLayer
 
 # u * s - z * s against (u - z) * s: one more rounding per weight than the reference, still fp32 rounding order
 CLOSE = dict(rtol=1e-5, atol=2e-5)
@@ -72,15 +73,6 @@ def test_nibble_pack_holds_the_same_codes():
     torch.testing.assert_close(packed.zeros, (z.float() * s.float()).reshape(n, -1))  # z * s per group
 
 
-class _Layer(torch.nn.Module):
-    def __init__(self, packed, bias):
-        super().__init__()
-        self.packed, self.bias = packed, bias
-
-    def forward(self, x):
-        return cpu_quant_matmul(x, self.packed, self.bias)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("rows", [1, 4, 6])  # 6: beyond FUSED_DEQUANT_MAX_ROWS, the unpack-then-linear path
@@ -95,6 +87,6 @@ def test_compiled_nibble_matmul_matches_reference(name, rows, monkeypatch):
     monkeypatch.setattr(quant_cpu, "fused_nibble_matmul", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(rows, k, generator=g)
     torch._dynamo.reset()
-    got = torch.compile(_Layer(packed, bias), fullgraph=True)(x)
+    got = torch.compile(QuantMatmulLayer(packed, bias), fullgraph=True)(x)
     torch.testing.assert_close(got, quant_matmul_reference(x, q, s, z, spec, k, bias), **CLOSE)
     assert len(calls) == (rows <= quant_cpu.FUSED_DEQUANT_MAX_ROWS)  # the fused reduction only for a few rows
