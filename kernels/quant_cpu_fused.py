@@ -65,11 +65,17 @@ def pack_nibbles(u: torch.Tensor, gs: int) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k_pad // 2).contiguous()
 
 
-def unpack_nibbles(b: torch.Tensor, gs: int) -> torch.Tensor:
-    """The inverse of :func:`pack_nibbles`: ``[N, K_pad / 2]`` uint8 -> ``[N, K_pad]`` uint8 codes in [0, 15]."""
+def unpack_nibbles(b: torch.Tensor, gs: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: ``[N, K_pad / 2]`` uint8 -> ``[N, K_pad]`` codes in [0, 15] as ``dtype``.
+
+    Each half is written straight into the output (a ``torch.cat`` of uint8 halves, then a cast, was 9x slower for an
+    fp32 weight: SmolLM2's MLP shape, 1 thread, 4.2-4.7 ms against 0.43-0.52)."""
     n = b.shape[0]
     halves = b.view(n, -1, gs // 2)  # [N, G, gs / 2]
-    return torch.cat([halves & 15, halves >> 4], dim=-1).reshape(n, -1)
+    out = torch.empty(n, halves.shape[1], 2, gs // 2, dtype=dtype, device=b.device)  # [N, G, 2, gs / 2]
+    out[:, :, 0] = halves & 15
+    out[:, :, 1] = halves >> 4
+    return out.view(n, -1)
 
 
 def fused_nibble_matmul(
