@@ -146,3 +146,31 @@ def test_a_park_is_bounded(monkeypatch):
         parked_at = work.calls
         assert _wait_for(lambda: work.calls > parked_at + 1000, 5.0)  # it ran on inside the step
     work.finish()
+
+
+def test_full_collection_waits_until_the_decoding_thread_is_idle(monkeypatch):
+    """A full garbage collection the compile thread starts (one C call holding the GIL for the whole heap) does not
+    start during a step nor in the slice after it: it waits until no step has run for IDLE_S. Collections started
+    outside the compile thread never wait."""
+    import gc
+
+    monkeypatch.setattr(compile_gate, "IDLE_S", 0.3)
+    gate = CompileGate()
+    done: list[float] = []
+
+    def compile_like() -> None:
+        with gate.compiling():
+            gc.collect()  # generation 2
+            done.append(time.monotonic())
+
+    thread = threading.Thread(target=compile_like, daemon=True)
+    with gate.step():
+        thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+        gc.collect()  # the decoding thread is not held (while the held one waits, this returns at once)
+    step_end = gate.last_step_end
+    assert not done  # the slice after the step was not enough: the collection waits for the caller to go idle
+    assert gate.held_gcs == 1
+    thread.join(5)
+    assert done and done[0] - step_end >= compile_gate.IDLE_S
+    assert gate.held_gcs == 0 and gate.parked == 0 and gate.open and gc.callbacks.count(gate._on_gc) == 0

@@ -14,6 +14,7 @@ several, the runs alternate them so each sees the same machine.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -24,12 +25,13 @@ import time
 from typing import Any
 
 #: Variant name -> environment of the child (read by hf_dsinfer.generation.compiled_cpu) and the child's settings of
-#: compiled_cpu's module constants.
-VARIANTS: dict[str, tuple[dict[str, str], dict[str, int]]] = {
+#: module constants: of compiled_cpu, or of compile_gate for names prefixed ``gate.``.
+VARIANTS: dict[str, tuple[dict[str, str], dict[str, float]]] = {
     "default": ({}, {}),  # nice 19, eager steps on one thread fewer, the compile parked during steps
     "nice-all-threads": ({}, {"LEAVE_A_CORE_AT_NICE": 0}),  # the compile at nice 19, steps on torch's threads
     "normal-priority": ({"HF_DSINFER_COMPILE_NICE": "0"}, {}),  # the compile at the caller's priority (one fewer)
     "unparked": ({}, {"PARK_COMPILE": 0}),  # as default, but the compile's Python is never parked during steps
+    "full-gc-as-usual": ({}, {"gate.GC_FULL_THRESHOLD": 0}),  # gc's full collections at the caller's threshold
 }
 MAX_CALLS = 60  # per process: hf_dsinfer calls (each beside an HF call), bounded
 MAX_SECONDS = 900.0  # per process: the compile of SmolLM2 takes 1-3 minutes on 2 cores
@@ -59,12 +61,13 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
 
     import hf_dsinfer  # noqa: F401 - registers inference_config
 
-    from ..generation import compiled_cpu
+    from ..generation import compile_gate, compiled_cpu
     from ..generation.api import GEN_ATTR
     from ..real_model import smollm2_path
 
     for name, value in VARIANTS[variant][1].items():
-        setattr(compiled_cpu, name, value)
+        module, name = (compile_gate, name[5:]) if name.startswith("gate.") else (compiled_cpu, name)
+        setattr(module, name, value)
 
     if threads:
         torch.set_num_threads(threads)
@@ -83,12 +86,23 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
     for _ in range(REFERENCE_CALLS):
         calls.append(dict(who="hf", state="alone", ms=_ms_per_token(hf, ids, new_tokens), load=_load()))
     t_start = time.monotonic()
+    full_gcs: list[list[float]] = []  # [start s, end s] (from t_start) of each full collection, in any thread
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                full_gcs.append([time.monotonic() - t_start, float("nan")])
+            elif full_gcs:
+                full_gcs[-1][1] = time.monotonic() - t_start
+
+    gc.callbacks.append(on_gc)
     after = 0
     for _ in range(MAX_CALLS):
         before = compiled.pending or not compiled.compile_s
+        t0 = time.monotonic() - t_start
         ms = _ms_per_token(ours, ids, new_tokens)
         state = "pending" if compiled.pending else ("swap" if before else "compiled")
-        calls.append(dict(who="ours", state=state, ms=ms, load=_load()))
+        calls.append(dict(who="ours", state=state, ms=ms, load=_load(), t=[t0, time.monotonic() - t_start]))
         hf_before = compiled.pending
         ms = _ms_per_token(hf, ids, new_tokens)
         calls.append(dict(who="hf", state="pending" if hf_before and compiled.pending else "alone", ms=ms,
@@ -99,9 +113,10 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
     # compile_s None: still compiling after the last call (the child then exits without waiting for it)
     from ..generation.compile_gate import GATE
 
+    gc.callbacks.remove(on_gc)
     return dict(calls=calls, compile_s=compiled.compile_s.get(1), failed=compiled.failed,
                 threads=torch.get_num_threads(), parked_s=round(GATE.parked_s, 1),
-                lent_s=round(GATE.lent_s, 1))  # fmt: skip
+                lent_s=round(GATE.lent_s, 1), full_gcs=full_gcs)  # fmt: skip
 
 
 def _summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +127,13 @@ def _summary(run: dict[str, Any]) -> dict[str, Any]:
     # each hf_dsinfer call against the HF call right after it (the same machine state; what counts under a load)
     calls = run["calls"]
     beside = [a["ms"] / b["ms"] for a, b in zip(calls, calls[1:]) if a["who"] == "ours" and a["state"] == "pending"]
-    return dict(hf_alone_ms=round(ref, 1), ours_pending_ms=[round(x, 1) for x in pending],
+    # ms of full garbage collections (one C call holding the GIL, in whichever thread) inside each of our pending calls
+    gcs = run.get("full_gcs", [])
+    in_calls = [sum(max(0.0, min(c["t"][1], e) - max(c["t"][0], s)) * 1e3 for s, e in gcs if e == e)
+                for c in calls if c["who"] == "ours" and c["state"] == "pending" and "t" in c]
+    return dict(full_gc_ms=[round((e - s) * 1e3) for s, e in gcs if e == e],
+                full_gc_in_pending_ms=[round(x) for x in in_calls],
+                hf_alone_ms=round(ref, 1), ours_pending_ms=[round(x, 1) for x in pending],
                 slower_than_hf=sum(x > ref for x in pending), hf_pending_ms=[round(x, 1) for x in hf_pending],
                 ours_compiled_ms=[round(x, 1) for x in compiled], ratio_to_next_hf=[round(x, 2) for x in beside],
                 slower_than_next_hf=sum(x > 1 for x in beside))  # fmt: skip
@@ -152,7 +173,15 @@ def _row(r: dict[str, Any]) -> str:
             f"{len(r['ours_pending_ms'])} | {', '.join(f'{x:.0f}' for x in r['hf_pending_ms'])} | "
             f"{', '.join(f'{x:.0f}' for x in r['ours_compiled_ms'])} | {_median(r['ratio_to_next_hf'])} | "
             f"{r['slower_than_next_hf']} of {len(r['ratio_to_next_hf'])} | {r.get('parked_s', '-')} / "
-            f"{r.get('lent_s', '-')} | {min(loads):.1f}-{max(loads):.1f} |")
+            f"{r.get('lent_s', '-')} | {_gc_text(r)} | {min(loads):.1f}-{max(loads):.1f} |")
+
+
+def _gc_text(r: dict[str, Any]) -> str:
+    """Full collections during the run (ms each), and the ms of them inside our calls while compiling (each call)."""
+    if "full_gc_ms" not in r:
+        return "-"
+    inside = [f"call {i + 1}: {x}" for i, x in enumerate(r["full_gc_in_pending_ms"]) if x]
+    return f"{', '.join(map(str, r['full_gc_ms'])) or 'none'}; in our calls: {', '.join(inside) or 'none'}"
 
 
 def _compile_text(r: dict[str, Any]) -> str:
@@ -168,7 +197,7 @@ def _median(xs: list[float]) -> str:
 HEADER = ("| run | variant | threads | compile s | HF eager alone, ms/token (median) | hf_dsinfer while compiling, "
           "each call | slower than HF alone | HF eager while compiling, each call | hf_dsinfer compiled | "
           "hf_dsinfer / the HF call after it, median | slower than the HF call after it | compile parked / lent, s | "
-          "load |\n|---|---|---:|---:|---:|---|---|---|---|---:|---|---|---|")  # fmt: skip
+          "full GCs, ms | load |\n|---|---|---:|---:|---:|---|---|---|---|---:|---|---|---|---|")  # fmt: skip
 
 
 def pending_main(ns) -> dict[str, Any]:

@@ -13,6 +13,10 @@ a slice of time (:data:`SLICE_FRACTION` of the step, at most :data:`MAX_SLICE_S`
 for :data:`IDLE_S` (between ``generate`` calls, an idle server) the compile runs freely. Phases of the compile that
 run no Python (the C++ compiler, in its own processes) are never parked, and no slice is lent while the compile
 thread is not waiting for one.
+
+Garbage collections are one C call each, which no trace hook can split: a collection the compile thread starts waits
+at its start (a ``gc`` callback) until the gate opens, and a full one (254-371 ms on SmolLM2's heap) until the decoding
+thread is idle, since one started in a slice would run on into the next steps.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class CompileGate:
         self.last_step_end = 0.0  # time.monotonic() when the last step ended
         self.compiling_threads = 0  # threads under the hook
         self.parked = 0  # compile threads waiting at the gate now
+        self.held_gcs = 0  # of those, collections waiting for the decoding thread to go idle (no slice for them)
+        self._compile_threads: set[int] = set()  # thread idents under the hook
         self._gc_threshold = gc.get_threshold()
         self.parked_s = 0.0  # total time compile threads spent parked (stats, tests)
         self.lent_s = 0.0  # total time decoding threads slept to let a parked compile run
@@ -68,7 +74,9 @@ class CompileGate:
         previous = sys.gettrace()  # a debugger's or coverage's tracer: restored afterwards
         with self._lock:
             self.compiling_threads += 1
+            self._compile_threads.add(threading.get_ident())
             if self.compiling_threads == 1:
+                gc.callbacks.append(self._on_gc)
                 self._gc_threshold = gc.get_threshold()
                 # Full collections are one C call holding the GIL over the whole heap: 254-371 ms each in the compile
                 # thread on SmolLM2 (a quiet machine), which no park can split, and the calls they overlapped were the
@@ -81,7 +89,9 @@ class CompileGate:
             sys.settrace(previous)
             with self._lock:
                 self.compiling_threads -= 1
+                self._compile_threads.discard(threading.get_ident())
                 if not self.compiling_threads:
+                    gc.callbacks.remove(self._on_gc)
                     gc.set_threshold(*self._gc_threshold)
                     self._set(True)
 
@@ -92,21 +102,44 @@ class CompileGate:
             self._park()
         return None
 
-    def _park(self) -> None:
+    def _idle(self) -> bool:
+        return not self.steps and time.monotonic() - self.last_step_end >= IDLE_S
+
+    def _park(self, until_idle: bool = False) -> None:
         t0 = time.monotonic()
         with self._lock:
             self.parked += 1
+            self.held_gcs += until_idle
         try:
-            while not self.open:
+            while not self.open or (until_idle and not self._idle()):
                 self._go.wait(IDLE_S)  # releases the GIL while waiting
-                if not self.open and not self.steps and time.monotonic() - self.last_step_end >= IDLE_S:
+                if not self.open and self._idle():
                     self._set(True)  # no decode step for a while: the decoding thread is idle
-                if not self.open and time.monotonic() - t0 > PARK_MAX_S:
-                    self._set(True)  # see PARK_MAX_S: run alongside this step (the next one closes the gate again)
+                if time.monotonic() - t0 > PARK_MAX_S:
+                    if not self.open:
+                        self._set(True)  # see PARK_MAX_S: run alongside this step (the next one closes the gate)
+                    break
         finally:
             with self._lock:
                 self.parked -= 1
+                self.held_gcs -= until_idle
                 self.parked_s += time.monotonic() - t0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        # A gc callback, registered while any compile runs; it is called in whichever thread collects. A collection
+        # started by a compile thread waits here, before it starts, while the gate is closed (the trace hook parks it
+        # at this call already); a full one waits for the decoding thread to go idle.
+        if phase != "start" or threading.get_ident() not in self._compile_threads:
+            return
+        full = info["generation"] == 2
+        if self.open and (not full or self._idle()):
+            return
+        tracer = sys.gettrace()
+        sys.settrace(None)  # the waiting below calls Python (Event.wait), which must not re-enter the hook
+        try:
+            self._park(until_idle=full)
+        finally:
+            sys.settrace(tracer)
 
     def _set(self, open_: bool) -> None:
         self.open = open_
@@ -132,7 +165,7 @@ class CompileGate:
             self.last_step_end = time.monotonic()
             with self._lock:
                 self.steps -= 1
-                lend = not self.steps and self.parked > 0
+                lend = not self.steps and self.parked > self.held_gcs
             if lend:
                 slice_s = min(took * SLICE_FRACTION, MAX_SLICE_S)
                 interval = sys.getswitchinterval()
