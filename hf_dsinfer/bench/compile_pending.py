@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -96,6 +97,7 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
                 full_gcs[-1][1] = time.monotonic() - t_start
 
     gc.callbacks.append(on_gc)
+    slow_steps = _watch_steps(t_start)
     after = 0
     for _ in range(MAX_CALLS):
         before = compiled.pending or not compiled.compile_s
@@ -116,7 +118,46 @@ def child(prompt_len: int, new_tokens: int, threads: int | None, variant: str) -
     gc.callbacks.remove(on_gc)
     return dict(calls=calls, compile_s=compiled.compile_s.get(1), failed=compiled.failed,
                 threads=torch.get_num_threads(), parked_s=round(GATE.parked_s, 1),
-                lent_s=round(GATE.lent_s, 1), full_gcs=full_gcs)  # fmt: skip
+                lent_s=round(GATE.lent_s, 1), full_gcs=full_gcs, slow_steps=slow_steps)  # fmt: skip
+
+
+def _watch_steps(t_start: float) -> list[dict[str, Any]]:
+    """Times every decode step (inside the gate, so without the slice lent after it); for a step over 1.5x the median
+    of the 30 before it, keeps where the compile thread stands right after it: parked at its next Python call, its
+    stack names what it ran last (a long C call that no park can split shows up here). Diagnostics, in the JSON."""
+    import contextlib
+    import traceback
+
+    from ..generation.compile_gate import GATE
+
+    durations: list[float] = []
+    slow: list[dict[str, Any]] = []
+    gate_step = GATE.step
+
+    @contextlib.contextmanager
+    def step():
+        with gate_step():
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                ms = (time.perf_counter() - t0) * 1e3
+                recent = durations[-30:]
+                if len(recent) >= 10 and ms > 1.5 * statistics.median(recent):
+                    stacks = {}
+                    frames = sys._current_frames()
+                    for th in threading.enumerate():
+                        frame = frames.get(th.ident) if th.name.startswith("hf_dsinfer-compile") else None
+                        if frame is not None:
+                            rows = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                                    for f in traceback.extract_stack(frame) if "compile_gate" not in f.filename]
+                            stacks[th.name] = rows[-8:]
+                    slow.append(dict(t=round(time.monotonic() - t_start, 3), ms=round(ms, 1),
+                                     median_ms=round(statistics.median(recent), 1), compile_stacks=stacks))
+                durations.append(ms)
+
+    GATE.step = step  # the instance's attribute: compiled_cpu calls GATE.step()
+    return slow
 
 
 def _summary(run: dict[str, Any]) -> dict[str, Any]:
