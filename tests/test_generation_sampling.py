@@ -150,3 +150,24 @@ def test_sampled_batch_under_eos(models):
         hits = [(i, t) for i, t in enumerate(row.tolist()) if 3 <= t < 60]
         if hits:
             assert (row[hits[0][0] + 1:] == PAD).all()
+
+
+def test_eos_floor_in_place_only_when_owned(models):
+    """min_new_tokens masks its EOS ids by column (ids outside the vocabulary ignored, as transformers' ``isin``
+    ignores them): a new tensor unless the caller owns the logits (the fast loop's step output), then in place."""
+    ref, _ = models
+    ids, mask = left_pad(prompts())
+    procs, crit = _hf_processors(ref, ids, mask, max_new_tokens=8, do_sample=False, min_new_tokens=3,
+                                 eos_token_id=[5, 9, VOCAB + 3])  # fmt: skip
+    plan = plan_decoding(procs, crit, False)
+    assert not isinstance(plan, str), plan
+    proc = StepProcessor(plan, ids, VOCAB, None)
+    logits = torch.randn(ids.shape[0], VOCAB, generator=torch.Generator().manual_seed(0))
+    want = procs(ids, logits.clone())
+    kept = logits.clone()
+    got = proc.process(logits, 0)
+    assert torch.equal(logits, kept) and got is not logits, "not owned: the caller's logits stay as they were"
+    assert torch.equal(got, want)
+    owned = proc.process(logits, 0, owned=True)
+    assert owned is logits and torch.equal(owned, want)
+    assert torch.equal(proc.process(kept, 3, owned=True), kept), "past min_new_tokens nothing is masked"

@@ -154,6 +154,18 @@ def _distinct_rows(input_ids: torch.Tensor, mask: Any, positions: Any) -> tuple[
     return first[order], rank[inverse]
 
 
+def _spread_rows(cache: Any, inverse: torch.Tensor) -> None:
+    """Row ``b`` of the static cache becomes row ``inverse[b]`` (rows ``[0, U)`` hold the distinct prompts), in the
+    prompt's ``padded_len`` slots only: later slots are written by the decode steps before they are attended, so
+    copying whole rows (``StaticKVCache.reorder``, ``max_out_tokens`` slots each) moved dead bytes (GRPO shape on
+    SmolLM2: 60 copies of ``[32, 3, 89, 64]`` per call, where the prompts fill 41 slots)."""
+    n, width = inverse.shape[0], cache.padded_len
+    index = inverse.to(cache.lengths.device)
+    for buf in (*cache.keys, *cache.values):  # each [Bmax, Hk, S, D]
+        buf[:n, :, :width] = buf[:, :, :width].index_select(0, index)  # a gathered copy first: rows overlap
+    cache.lengths[:n] = cache.lengths.index_select(0, index)
+
+
 def _prefill(self, call: CallContext, input_ids: torch.Tensor, mask: Any, positions: Any) -> tuple[torch.Tensor, Any]:
     """The prefill: fp32 logits of each row's last position ``[B, V]`` and the cache handle.
 
@@ -174,7 +186,7 @@ def _prefill(self, call: CallContext, input_ids: torch.Tensor, mask: Any, positi
                    use_cache=True, logits_to_keep=1, return_dict=True)  # fmt: skip
         if cache.allocated_rows >= batch:  # else the forward re-allocated the cache smaller: prefill every row
             logits = out.logits[:, -1].float().index_select(0, inverse)  # [B, V]
-            cache.reorder(inverse)  # rows [0, U) hold the distinct prompts: copy each into its repeats
+            _spread_rows(cache, inverse)  # rows [0, U) hold the distinct prompts: copy each into its repeats
             cache.batch = batch
             call.prefill_tokens = int(real.index_select(0, first).sum()) if real is not None else first.numel() * width
             return logits, hf_compat.output_cache(out)
@@ -239,7 +251,9 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
             next_pos += 1
         if keep_logits:
             logits_out.append(logits.clone())
-        scores = proc.warp(proc.process(logits, i))  # [B, V] what transformers' processors return
+        # [B, V] what transformers' processors return; in place: this step's logits are not read again (kept ones
+        # were cloned above)
+        scores = proc.warp(proc.process(logits, i, owned=True))
         tok = proc.select(scores)  # [B]
         if keep_scores:
             scores_out.append(scores.clone())
