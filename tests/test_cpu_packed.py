@@ -223,3 +223,38 @@ def test_hybrid_engine_refresh_repacks(pack_all, share_base):
         assert _packs() == packs, "the shared base did not change: nothing to re-pack"
     assert not torch.equal(second, first), "the update did not change the tokens (the test would prove nothing)"
     assert torch.equal(second, reference())
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_packs_equal_f_linear_and_repack_in_place(pack_all, monkeypatch, bias):
+    """A weight above CHUNK_BYTES is packed as row chunks (in multiples of 64 rows, the last one short) whose products
+    are concatenated; re-packing after a change (in place, as the Hybrid Engine's switch does) keeps them exact."""
+    monkeypatch.setattr(cpu_packed, "CHUNK_BYTES", 64 * 24 * 4)  # 64 rows of 24 inputs: 211 rows -> 4 chunks
+    lin = _linear(211, 24, bias)
+    x = torch.randn(5, 1, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), **TOL)
+        pack = cpu_packed._packs[cpu_packed.ensure_slot(lin)]
+        assert pack.bounds == [(0, 64), (64, 128), (128, 192), (192, 211)] and len(pack.chunks) == 4
+        assert cpu_packed.packed_bytes(lin) == 211 * 24 * 4
+        lin.weight.data.copy_(torch.randn(211, 24))  # through .data: invisible to the version counter
+        before = _packs()
+        assert cpu_packed.repack(lin, only_packed=True) and _packs() == before + 1
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), **TOL)
+    other = _linear(40, 24, bias)  # never packed: only_packed leaves it alone
+    assert not cpu_packed.repack(other, only_packed=True) and cpu_packed.packed_bytes(other) == 0
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_module_forward_on_a_row_major_head(pack_all, rows):
+    """A plain nn.Linear head over a row-major weight (the Hybrid Engine's copy, hybrid.build.row_major_head): the row
+    GEMV at 1-3 rows, the packed GEMM from 4; F.linear's values either way. A K-major head keeps F.linear at 1-3."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(24, 200, bias=False).requires_grad_(False)
+    head.weight.data = torch.randn(200, 24, generator=g)  # row-major
+    x = torch.randn(rows, 24, generator=g)
+    torch.testing.assert_close(cpu_packed.module_forward(head, x), F.linear(x, head.weight), **TOL)
+    head.weight.data = _k_major(head.weight.data)
+    torch.testing.assert_close(cpu_packed.module_forward(head, x), F.linear(x, head.weight), **TOL)

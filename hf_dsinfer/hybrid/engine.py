@@ -26,7 +26,7 @@ from ..generation.api import GEN_ATTR
 from ..log import logger
 from ..modules import cpu_packed
 from ..policies import get_injection, inject
-from .build import match_layer_lists, retie
+from .build import match_layer_lists, retie, row_major_head
 from .config import read_hybrid_engine_config, resolve_inference_config, section_inference_fields
 from .engine_generate import GenerateMixin
 from .stats import HybridStats
@@ -224,6 +224,7 @@ class HybridEngine(GenerateMixin):
 
             # no policy: one warning, the copy keeps HF's modules (split by AutoTP under TP; still correct)
             infer = inject(infer, self.config, tp_layout(infer))
+            row_major_head(infer)  # re-packed at each switch: a K-major head was transposed first
         if self._quant is not None:
             record = get_injection(infer)
             if record is None:

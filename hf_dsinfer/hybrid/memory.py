@@ -65,8 +65,10 @@ def repack(module: nn.Module, unchanged: set[int]) -> int:
         slot = m.__dict__.get(cpu_packed.SLOT_ATTR)
         if slot is None or not isinstance(weight, torch.Tensor) or id(weight) in unchanged:
             continue
-        if cpu_packed.invalidate(m) and cpu_packed.repack(m):  # only weights packed before (in use at this batch)
+        if cpu_packed.repack(m, only_packed=True):  # weights packed before (in use at this batch), in place
             count += 1
+        else:  # packing off now: a pack left behind would be stale if it came back on (.data writes bump nothing)
+            cpu_packed.invalidate(m)
     # Modules without a slot were never packed; the remaining (non-linear) ones hold nothing to re-pack.
     return count
 

@@ -30,6 +30,15 @@ The serving engine packs its tokens of different requests into one ``[1, T, C]``
 
 Memory: a packed copy is as large as its weight, so a model decoding at batch >= 4 on CPU (or serving 4 or more
 requests at once) holds its linear and LM-head weights twice (the embedding is not packed).
+
+Re-packing (the Hybrid Engine re-packs every changed weight at each switch) is mostly page faults when each pack gets
+fresh memory: oneDNN's reorder of SmolLM2's ``[49152, 576]`` LM head took 62-64 ms, 43 ms of which an ``empty`` +
+``fill`` of the same 113 MB also takes (its 27649 minor faults), against 5 ms to refill memory already mapped. So a
+pack is freed *before* its successor is reordered (glibc's ``malloc`` then hands the same pages back: 0 faults,
+4.2 -> 2.1 ms for a ``[3072, 576]`` weight), and a weight above :data:`CHUNK_BYTES` is packed in row chunks below
+that size: glibc maps blocks above its mmap threshold (at most 32 MiB) freshly at every allocation and unmaps them
+when freed, so a single 113 MB pack would fault in full at every re-pack. The chunks' products are concatenated
+(the GEMM is as fast in chunks: 19.5-20.1 ms against 19.6-20.1 ms for the whole head at 32 rows).
 ``HF_DSINFER_CPU_PACKED=0`` switches packing off process-wide (read before every step); :func:`packed_bytes` tells
 what the cache holds.
 """
@@ -54,10 +63,15 @@ ENV_VAR = "HF_DSINFER_CPU_PACKED"
 #: Fewest and most rows (``x.numel() // in_features``) that take the packed GEMM; others keep ``F.linear``.
 MIN_ROWS = 4
 MAX_ROWS = 32
-#: Smallest weight (elements) worth packing (the `small` preset packs qkv, gate_up, down and the head, not o).
-MIN_ELEMENTS = 1 << 19
+#: Smallest weight (elements) worth packing: the `small` preset's 512x512 o projection (262,144) did not repay
+#: oneDNN's costlier call; SmolLM2's 576x576 one (331,776) does, 30 distinct weights as in a step (1 thread, load 4.7):
+#: 2.6 / 3.4 / 4.6 / 7.5 ms packed against 4.6 / 5.3 / 6.8 / 10.0 ms ``F.linear`` at 4 / 8 / 16 / 32 rows.
+MIN_ELEMENTS = 300_000
 #: The attribute holding a module's slot number (a plain int: not a parameter, buffer or ``state_dict`` entry).
 SLOT_ATTR = "_hf_dsinfer_pack_slot"
+#: Largest packed chunk (bytes): a weight above it is packed as row chunks of at most this size (see the module doc:
+#: below glibc's 32 MiB mmap-threshold ceiling, so a re-pack reuses the pages its predecessor freed).
+CHUNK_BYTES = 16 << 20
 _OFF = ("0", "false", "off", "no")
 
 
@@ -68,7 +82,8 @@ class _Pack:
     ptr: int  # data_ptr of the plain weight
     version: int  # its _version (-1 for inference tensors, which have none)
     shape: tuple[int, ...]  # [out, in]
-    packed: torch.Tensor  # opaque oneDNN tensor
+    chunks: list[torch.Tensor]  # opaque oneDNN tensors, one per row chunk of the weight (one unless > CHUNK_BYTES)
+    bounds: list[tuple[int, int]]  # the rows [start, end) of each chunk
 
 
 _packs: dict[int, _Pack] = {}  # slot -> pack (empty slots have no entry)
@@ -200,17 +215,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod
 
 
 def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, packed when ``module`` is a plain ``nn.Linear`` without hooks (the LM head) and it applies.
+    """``module(x)`` for a plain ``nn.Linear`` without hooks (the LM head): packed where :func:`applies`; at 1-3 rows
+    over a row-major fp32 weight (the Hybrid Engine's head, ``hybrid.build.row_major_head``), the row-streaming GEMV
+    of :class:`~.linear.Linear` (``F.linear`` reads a row-major weight about half as fast there).
 
     Anything else (a subclass, a peft or TP wrapper, a module with hooks) is simply called.
     """
-    if (
-        type(module) is nn.Linear
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and applies(x, module.weight, module)
-    ):
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return module(x)
+    if applies(x, module.weight, module):
         return linear(x, module.weight, module.bias, module)
+    from .linear import _row_gemv, _row_gemv_applies  # late: linear imports this module
+
+    if _row_gemv_applies(x, module.weight):
+        y = _row_gemv(x, module.weight)  # [..., out]
+        return y if module.bias is None else y + module.bias
     return module(x)
 
 
@@ -227,11 +246,13 @@ def invalidate(module: nn.Module) -> int:
     return dropped
 
 
-def repack(module: nn.Module) -> bool:
+def repack(module: nn.Module, only_packed: bool = False) -> bool:
     """Pack ``module.weight`` now rather than at its next packed call (the Hybrid Engine re-packs at the switch, so
-    the switch cost includes it). False when packing is off or unavailable, or the module has no slot."""
+    the switch cost includes it), freeing its old pack chunk by chunk as the new one is made (the memory is reused).
+    ``only_packed``: only a weight that holds a pack now (one in use at this batch). False when nothing was packed:
+    packing off or unavailable, no slot, or (``only_packed``) no pack."""
     slot, weight = module.__dict__.get(SLOT_ATTR), getattr(module, "weight", None)
-    if slot is None or not isinstance(weight, torch.Tensor) or not sync():
+    if slot is None or not isinstance(weight, torch.Tensor) or (only_packed and slot not in _packs) or not sync():
         return False
     _repack(slot, weight)
     return True
@@ -253,11 +274,24 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _chunk_bounds(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Row ranges of at most :data:`CHUNK_BYTES` (fp32) each, in multiples of 64 rows (oneDNN's blocks)."""
+    step = max(64, CHUNK_BYTES // (4 * max(cols, 1)) // 64 * 64)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)] or [(0, rows)]
+
+
 def _repack(slot: int, weight: torch.Tensor) -> _Pack:
-    # The reorder reads a row-major [out, in] weight: a K-major one is copied once for it (transiently).
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    old = _packs.pop(slot, None)
+    bounds = _chunk_bounds(weight.shape[0], weight.shape[1])
+    chunks: list[torch.Tensor] = []
+    for i, (a, b) in enumerate(bounds):
+        if old is not None and i < len(old.chunks):
+            old.chunks[i] = None  # freed before its successor is allocated: malloc hands the same pages back
+        # The reorder reads row-major [rows, in]; a K-major weight's rows are copied once for it (transiently).
+        chunks.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach()[a:b].contiguous(), None))
+    del old
     _stats["packs"] += 1
-    pack = _packs[slot] = _Pack(weight.data_ptr(), _version(weight), tuple(weight.shape), packed)
+    pack = _packs[slot] = _Pack(weight.data_ptr(), _version(weight), tuple(weight.shape), chunks, bounds)
     return pack
 
 
@@ -270,7 +304,13 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x = x.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, pack.packed, bias, "none", [], "")
+    if len(pack.chunks) == 1:
+        return torch.ops.mkldnn._linear_pointwise(x, pack.chunks[0], bias, "none", [], "")
+    parts = [
+        torch.ops.mkldnn._linear_pointwise(x, chunk, None if bias is None else bias[a:b], "none", [], "")
+        for chunk, (a, b) in zip(pack.chunks, pack.bounds)
+    ]  # [M, rows of each chunk]
+    return torch.cat(parts, dim=1)  # [M, out]
 
 
 def _fake_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
