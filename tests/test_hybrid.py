@@ -233,7 +233,10 @@ def test_hybrid_bench_rows_on_cpu():
     assert all(not r["failed"] and r["generate_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["generate_cpu_ms"] > 0 for r in rows)
     for peer, hybrid in (rows[:2], rows[2:]):
-        assert peer["note"] == "" and "cpu_speedup" in hybrid["note"]
+        assert peer["note"].startswith("runs: ") and "cpu_speedup" in hybrid["note"]
+        for row in (peer, hybrid):  # every measured iteration is kept, the medians are taken over them
+            assert len(row["runs"]) == 1 and row["runs"][0]["generate_ms"] == pytest.approx(row["generate_ms"])
+        assert hybrid["decode_step"] in ("compiled", "eager") and hybrid["runs"][0]["refresh_ms"] > 0
         assert hybrid["refresh_ms"] > 0 and hybrid["injected"]
         want = peer["generate_ms"] / (hybrid["generate_ms"] + hybrid["refresh_ms"])
         assert hybrid["speedup"] == pytest.approx(want, rel=1e-2)

@@ -16,7 +16,11 @@ rollout rows made of ``batch // 8`` chat prompts (the tokenizer's chat template)
 ``repeat_interleave``), sampled with TRL's defaults (temperature 1, top-k 0, top-p 1), ``new_tokens`` new tokens per
 row (``min_new_tokens`` too, so both contenders generate the same count); the training step runs on the distinct
 prompts. Its hybrid row adds the engine's ``memory()`` and the RSS growth that building it caused.
-Rows report per-iteration medians: generate, refresh (hybrid), training and end-to-end milliseconds, the generate
+The engine's copy runs as a training run's steady state does: its CPU decode step is compiled during the warm-up
+(``cpu_compile=True``; a run's default ``"auto"`` compiles once eager steps have taken 30 s), and the warm-up waits
+for it; ``HF_DSINFER_CPU_COMPILE=0`` keeps the step eager. Hybrid rows say which (``decode_step``).
+Rows report per-iteration medians, and every iteration in ``runs`` (and the note): generate, refresh (hybrid),
+training and end-to-end milliseconds, the generate
 calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far less than wall time; with one thread
 it is the work done), generated tokens per second, peak memory (CUDA), the load average before and after the setup,
 and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate + refresh counted for the
@@ -159,13 +163,17 @@ def _row(
     **extra: Any,
 ) -> dict:
     """One contender's row; ``error`` (``Type: message``) marks a contender that raised: no figures, ``failed``."""
-    med = {k: round(statistics.median(v), 3) if v and error is None else None for k, v in times.items()}
+    med = {k: round(statistics.median(v), 3) if v and error is None else None for k, v in times.items() if k != "load"}
+    runs = [] if error is not None else [
+        {k: v[i] if k == "load" else round(v[i], 3) for k, v in times.items() if len(v) > i}
+        for i in range(len(times.get("generate_ms", [])))
+    ]  # fmt: skip  every measured iteration
     gen_ms = med.get("generate_ms")
     return dict(
         peer=peer, mode=mode, name=_NAMES[peer], preset=preset, batch=batch, prompt_len=prompt_len,
         new_tokens=new_tokens, **med, tokens_per_s=round(batch * new_tokens * 1e3 / gen_ms, 2) if gen_ms else None,
         peak_mem_mib=_peak_mib(device), failed=error is not None, error=error,
-        note=f"FAILED: {error}" if error else "", **extra,
+        note=f"FAILED: {error}" if error else "", runs=runs, **extra,
     )  # fmt: skip
 
 
@@ -202,17 +210,18 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         he = HybridEngine(
             model, inference_config=dict(
                 dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
-                enable_cuda_graph=dev.type == "cuda",
+                enable_cuda_graph=dev.type == "cuda", cpu_compile=True,
             ),
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the engine failing is the bench's finding, the HF peer still runs
         logger.debug("bench --hybrid: HybridEngine failed to start", exc_info=True)
         errors["hybrid"] = error_text(e)
     rss_engine = _rss_bytes() if "hybrid" not in errors else None
-    keys = ("generate_ms", "generate_cpu_ms", "train_ms", "e2e_ms")
+    keys = ("generate_ms", "generate_cpu_ms", "train_ms", "e2e_ms", "load")
     times = {peer: {k: [] for k in keys}, "hybrid": {k: [] for k in (*keys, "refresh_ms")}}
 
     def run_peer(record: bool) -> None:
+        load = _loadavg()
         t0, c0 = _now(dev), time.process_time()
         model.eval()
         with torch.no_grad():
@@ -224,8 +233,10 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             for key, value in (("generate_ms", t1 - t0), ("generate_cpu_ms", c1 - c0), ("train_ms", t2 - t1),
                                ("e2e_ms", t2 - t0)):  # fmt: skip
                 times[peer][key].append(value * 1e3)
+            times[peer]["load"].append(load)
 
     def run_hybrid(record: bool) -> None:
+        load = _loadavg()
         t0 = _now(dev)
         he.eval()
         c0 = time.process_time()
@@ -242,6 +253,10 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             times["hybrid"]["refresh_ms"].append(it.refresh_ms)
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
+            times["hybrid"]["load"].append(load)
+        elif i_warm[0]:  # the warm-up: let a background compile of the decode step finish (the steady state)
+            i_warm[0] = False
+            _wait_for_compile(he)
 
     def attempt(name: str, run: Any, record: bool) -> None:
         if name in errors:
@@ -252,6 +267,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             logger.debug("bench --hybrid: %s failed", name, exc_info=True)
             errors[name] = error_text(e)
 
+    i_warm = [True]
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for i in range(iterations + 1):  # iteration 0 warms both up (allocations, compiled steps, graphs)
@@ -272,7 +288,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     hybrid_row = _row(
         "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
         injected=get_injection(he.module) is not None, inference_copy_mib=copy_mib, memory_mib=mem,
-        rss_engine_built_mib=built_mib, **loads,
+        rss_engine_built_mib=built_mib, decode_step=_decode_step(he, ids), **loads,
     )  # fmt: skip
     hybrid_row["switch_pct"] = (
         round(100 * hybrid_row["refresh_ms"] / hybrid_row["generate_ms"], 2) if hybrid_row["generate_ms"] else None
@@ -285,9 +301,45 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     hybrid_row["note"] = (
         f"cpu_speedup {hybrid_row.get('cpu_speedup')}, switch {hybrid_row['switch_pct']}% of generate; memory MiB: "
         f"copy {mem['weights']}, KV {mem['kv_cache']}, packed {mem['cpu_packed']}, shared "
-        f"{mem['shared_with_training']}, RSS at build {built_mib}; load {loads['load_before']}-{loads['load_after']}"
+        f"{mem['shared_with_training']}, RSS at build {built_mib}; load {loads['load_before']}-{loads['load_after']}; "
+        f"{hybrid_row['decode_step']} decode step; runs: {_runs_text(peer_row)} | {_runs_text(hybrid_row)}"
     )
+    if peer not in errors:
+        peer_row["note"] = f"runs: {_runs_text(peer_row)}"
     return [peer_row, hybrid_row]
+
+
+def _runs_text(row: dict) -> str:
+    """Every measured iteration of ``row``: generate wall / CPU seconds (refresh ms), at the load it started."""
+    parts = []
+    for r in row.get("runs", []):
+        refresh = f", refresh {r['refresh_ms']:.0f} ms" if r.get("refresh_ms") is not None else ""
+        parts.append(f"{r['generate_ms'] / 1e3:.2f}/{r['generate_cpu_ms'] / 1e3:.2f} s{refresh} @{r['load']}")
+    return f"{row['peer']} gen wall/CPU " + "; ".join(parts)
+
+
+def _decode_state(he: Any) -> Any:
+    from ..generation.api import GEN_ATTR
+
+    state = getattr(he.module, GEN_ATTR, None)
+    return getattr(getattr(state, "step", None), "compiled", None)
+
+
+def _wait_for_compile(he: Any, timeout_s: float = 1800.0) -> None:
+    """Wait (bounded) for a background compile of the engine's CPU decode step started by the warm-up."""
+    compiled = _decode_state(he)
+    if compiled is not None and not compiled.wait(timeout_s):
+        from ..log import logger
+
+        logger.warning("bench --hybrid: the CPU decode step still compiles after %.0f s; timing goes on", timeout_s)
+
+
+def _decode_step(he: Any, ids: torch.Tensor) -> str:
+    """``compiled`` when the engine's decode steps ran the compiled CPU step at this batch, else ``eager``."""
+    compiled = _decode_state(he)
+    if compiled is None or not compiled.compile_s or not compiled.applies(ids):
+        return "eager"
+    return "compiled"
 
 
 def run_hybrid_bench(
