@@ -97,8 +97,8 @@ class StepContext:
     token_index: torch.Tensor | None = None
     padded_shape: tuple[int, int] | None = None
     # Eager CPU decode (:func:`_cpu_decode_attend`): the step's store indices and key mask, built by the first layer
-    # and read by the others; False when this step cannot take that path.
-    cpu_decode: _CPUDecodeStep | bool | None = None
+    # of each (sliding window, cache slots) and read by the others; False when this step cannot take that path.
+    cpu_decode: dict[tuple[int | None, int], _CPUDecodeStep | bool] | None = None
 
     @property
     def decode(self) -> bool:
@@ -233,9 +233,12 @@ class FusedAttention(nn.Module):
             out = _sync_free_attend(q, k, v, k_cache, v_cache, ctx, s, self.alibi_slopes)  # [B, T, Hq, D]
             return self.o(out.reshape(B, T, Hq * D), defer_reduce)
         if ctx.decode and _cpu_decode_applies(q, k_cache, s, self.alibi_slopes):
-            step = ctx.cpu_decode
+            if ctx.cpu_decode is None:
+                ctx.cpu_decode = {}
+            key = (s.sliding_window, k_cache.shape[2])  # layers differ in both (gemma3's, gpt-neo's local layers)
+            step = ctx.cpu_decode.get(key)
             if step is None:
-                step = ctx.cpu_decode = _CPUDecodeStep.build(ctx, k_cache.shape[2], s.sliding_window)
+                step = ctx.cpu_decode[key] = _CPUDecodeStep.build(ctx, k_cache.shape[2], s.sliding_window)
             if step:  # [B, 1, Hq, D]
                 out = _cpu_decode_attend(q, k, v, k_cache, v_cache, step, s.scale)
                 return self.o(out.reshape(B, T, Hq * D), defer_reduce)

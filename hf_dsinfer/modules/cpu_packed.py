@@ -210,7 +210,11 @@ def ragged_rows() -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Module) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``module``'s packed copy of ``weight``: ``x [..., in] -> [..., out]``."""
     # The reshapes are done here, not in the op: traced, they cost nothing at run time.
-    y = torch.ops.hf_dsinfer.cpu_packed_linear(x.reshape(-1, x.shape[-1]), weight, bias, getattr(module, SLOT_ATTR))
+    x2, slot = x.reshape(-1, x.shape[-1]), getattr(module, SLOT_ATTR)  # [M, in]
+    if torch.compiler.is_compiling():
+        y = torch.ops.hf_dsinfer.cpu_packed_linear(x2, weight, bias, slot)  # the graph needs the op
+    else:  # eagerly, the op's kernel itself: the dispatcher's round trip back into Python cost ~50 us a call
+        y = _packed_linear(x2, weight, bias, slot)
     return y.view(*x.shape[:-1], weight.shape[0])  # [M, out] -> [..., out]
 
 
