@@ -31,11 +31,11 @@ from types import FrameType
 from typing import Any
 
 #: Time lent to a parked compile after each decode step, as a fraction of that step's time: a call then takes about
-#: 1.2x an eager call alone (still faster than HF's eager step, which the fused eager step beats by 1.3-1.7x) while
-#: the compile's Python progresses at a sixth of a core during back-to-back calls and at full speed between calls.
-#: With 0.25, SmolLM2's calls while dynamo traced took 54-58 ms per token against HF eager's 59.7 (2 cores, default
-#: threads, load 0.6-2.3): too close.
-SLICE_FRACTION = 0.2
+#: 1.1x an eager call alone (the fused eager step beats HF's by 1.3-1.7x) while the compile's Python progresses at an
+#: eleventh of a core during back-to-back calls and at full speed between calls. A quarter and a fifth were tried on
+#: SmolLM2 (2 cores, default threads, quiet): calls while dynamo traced took 54-58 and 49-63 ms per token against HF
+#: eager's 59.7 and 58.2: too close.
+SLICE_FRACTION = 0.1
 #: Most time lent after one step (a slow step of a large model does not hand the compile long stretches).
 MAX_SLICE_S = 0.05
 #: Longest single park: a step that lasts longer has the compile run alongside it (as without the gate). A bound, so
