@@ -28,7 +28,7 @@ from torch import nn
 
 import hf_dsinfer.kernels.quant_cpu  # noqa: F401 - registers torch.ops.hf_dsinfer.materialize
 
-from . import cpu_packed
+from . import cpu_gemm, cpu_packed
 
 #: Most rows (``x.numel() // in_features``) that take the row-streaming GEMV; from ``cpu_packed.MIN_ROWS`` rows on,
 #: a oneDNN-prepacked GEMM (or ``F.linear``) reads the weight once for all rows anyway.
@@ -122,6 +122,10 @@ class Linear(nn.Module):
             if self.reduce is None:
                 return cpu_packed.linear(x, self.weight, self.bias, self)
             y = cpu_packed.linear(x, self.weight, None, self)
+        elif cpu_gemm.applies(x, self.weight):  # fp32 CPU, > cpu_packed.MAX_ROWS rows (prefill): oneDNN, see cpu_gemm
+            y = cpu_gemm.linear(x, self.weight, self.bias if self.reduce is None else None)
+            if self.reduce is None:
+                return y
         elif self.reduce is None:
             return F.linear(x, self.weight, self.bias)
         else:
