@@ -4,7 +4,9 @@ What lm-eval's log-likelihoods, reward models and a batch's log-probs run is one
 position's logits. This benchmark times exactly that, ``model(input_ids, attention_mask)`` with all logits, at each
 point (batch, length), on HF's model with ``attn_implementation="sdpa"`` and on hf_dsinfer's injected model built
 from the same weights, alternating the two in every round; each round is reported with the load average beside it.
-The first round also compares the two models' logits (max abs difference over max abs logit).
+The first round also compares the two models' logits (max abs difference over max abs logit). Each run also records
+the process CPU seconds of its forward (all threads): on a loaded machine that is steadier than wall time, since time
+spent waiting for a core is not in it.
 
 Inputs are seeded random token ids (a forward's cost does not depend on their values), full attention masks.
 """
@@ -63,12 +65,13 @@ def _models(preset: str):
 
 
 @torch.no_grad()
-def _forward(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Seconds of one forward with every position's logits, and the last position's logits ``[B, V]``."""
-    t0 = time.perf_counter()
+def _forward(model, ids: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """Wall seconds and process CPU seconds of one forward with every position's logits, and the last position's
+    logits ``[B, V]``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    seconds = time.perf_counter() - t0
-    return seconds, out.logits[:, -1].float()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return seconds, cpu, out.logits[:, -1].float()
 
 
 def run_prefill_bench(preset: str, points=DEFAULT_POINTS, rounds: int = 3, threads: int | None = None) -> dict:
@@ -94,14 +97,15 @@ def run_prefill_bench(preset: str, points=DEFAULT_POINTS, rounds: int = 3, threa
                 for name, model in models.items():
                     load = os.getloadavg()[0]
                     try:
-                        seconds, last[name] = _forward(model, ids)
+                        seconds, cpu, last[name] = _forward(model, ids)
                     except Exception as e:  # noqa: BLE001 - a failed contender is a row saying so
                         logger.debug("bench --prefill: %s failed", name, exc_info=True)
                         runs.append(dict(batch=batch, length=length, round=r + 1, name=name, load=round(load, 2),
                                          error=error_text(e)))  # fmt: skip
                         continue
                     runs.append(dict(batch=batch, length=length, round=r + 1, name=name, load=round(load, 2),
-                                     seconds=round(seconds, 3), tok_s=round(batch * length / seconds, 1), error=None))
+                                     seconds=round(seconds, 3), cpu_s=round(cpu, 3),
+                                     tok_s=round(batch * length / seconds, 1), error=None))  # fmt: skip
             if len(last) == 2:
                 ref = last["HF sdpa"]
                 agreement[f"{batch}x{length}"] = float((last["hf_dsinfer"] - ref).abs().max() / ref.abs().max())
@@ -114,25 +118,30 @@ def run_prefill_bench(preset: str, points=DEFAULT_POINTS, rounds: int = 3, threa
 
 
 def prefill_table(report: dict) -> str:
-    """Markdown: per point the median tokens/s of each contender and ours / sdpa, then every run with its load."""
+    """Markdown: per point the median tokens/s of each contender, ours / sdpa (wall, and CPU seconds sdpa / ours),
+    then every run with its load."""
     ok = [r for r in report["runs"] if r.get("error") is None]
     lines = [f"**{report['preset']}** forward-only (all logits), fp32, {report['threads']} thread(s), "
              f"{report['rounds']} rounds alternating; {report['device']}", "",
              "| batch x length | HF sdpa tok/s | hf_dsinfer tok/s | ours / sdpa | min-max ours / sdpa per round | "
-             "logits max diff (rel) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "CPU s sdpa / ours (median) | logits max diff (rel) |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for batch, length in report["points"]:
         rs = [r for r in ok if r["batch"] == batch and r["length"] == length]
         med = {n: statistics.median([r["tok_s"] for r in rs if r["name"] == n] or [float("nan")]) for n in CONTENDERS}
         per_round = [o["tok_s"] / h["tok_s"] for o in rs if o["name"] == "hf_dsinfer"
                      for h in rs if h["name"] == "HF sdpa" and h["round"] == o["round"]]  # fmt: skip
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "n/a"
+        cpu = {n: statistics.median([r["cpu_s"] for r in rs if r["name"] == n] or [float("nan")]) for n in CONTENDERS}
+        cpu_ratio = cpu["HF sdpa"] / cpu["hf_dsinfer"]
         diff = report["logits_rel_diff"].get(f"{batch}x{length}")
         lines.append(f"| {batch}x{length} | {med['HF sdpa']:.0f} | {med['hf_dsinfer']:.0f} | "
-                     f"{med['hf_dsinfer'] / med['HF sdpa']:.2f}x | {spread} | "
+                     f"{med['hf_dsinfer'] / med['HF sdpa']:.2f}x | {spread} | {cpu_ratio:.2f}x | "
                      f"{'n/a' if diff is None else f'{diff:.1e}'} |")  # fmt: skip
-    lines += ["", "| batch x length | round | contender | load | seconds | tok/s |", "|---|---:|---|---:|---:|---:|"]
+    lines += ["", "| batch x length | round | contender | load | seconds | CPU s | tok/s |",
+              "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for r in report["runs"]:
-        cells = f"FAILED: {r['error']} |" if r.get("error") else f"{r['seconds']:.2f} | {r['tok_s']:.0f} |"
+        cells = (f"FAILED: {r['error']} |" if r.get("error")
+                 else f"{r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['tok_s']:.0f} |")  # fmt: skip
         lines.append(f"| {r['batch']}x{r['length']} | {r['round']} | {r['name']} | {r['load']:.2f} | {cells}")
     return "\n".join(lines) + "\n"
 
