@@ -208,6 +208,32 @@ else:
     _LIB.impl("materialize", lambda x: x.clone(), "CPU")
     torch.library.register_fake("hf_dsinfer::materialize", lambda x: torch.empty_like(x), lib=_LIB)
 
+_MATERIALIZE_LOWERED: list[bool] = []  # [True] once :func:`lower_materialize` ran (registered or not)
+
+
+def lower_materialize() -> bool:
+    """Give inductor a lowering of ``hf_dsinfer::materialize``: a copy that inductor realizes into a buffer of the
+    generated code, so the producer is still computed once (not inlined into the consumer loop) but no opaque op is
+    called. Without it every use is a call back into Python (~7 us here; the compiled SmolLM2 decode step makes 120)
+    plus a size and an alignment assert on its output. Called before a graph is compiled (idempotent); False when this
+    torch's inductor has no such hook (the opaque op then stays, same values)."""
+    if _MATERIALIZE_LOWERED:
+        return _MATERIALIZE_LOWERED[0]
+    try:
+        from torch._inductor.lowering import clone, register_lowering
+    except ImportError:  # pragma: no cover - an inductor without these names: keep the opaque op
+        _MATERIALIZE_LOWERED.append(False)
+        return False
+
+    def _lowered(x):
+        out = clone(x)  # a pointwise copy of x's values
+        out.realize()  # stored once into a buffer: consumers load it instead of recomputing x's producer
+        return out
+
+    register_lowering(torch.ops.hf_dsinfer.materialize.default, type_promotion_kind=None)(_lowered)
+    _MATERIALIZE_LOWERED.append(True)
+    return True
+
 
 def _fp16_weight_linear(x: torch.Tensor, pack: Fp16Pack, out_features: int) -> torch.Tensor:
     """``x [M, K]`` fp32 times the fbgemm-packed fp16 weight: ``[M, out_features]`` fp32."""

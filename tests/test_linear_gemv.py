@@ -86,6 +86,28 @@ def test_compiled_gemv_matches_f_linear():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_lowered_materialize_is_a_buffer_not_a_call():
+    """With kernels/quant_cpu.lower_materialize (the compiled CPU decode step registers it) the barrier is a buffer of
+    the generated code: no call back into the op, same values as F.linear over the producer's output."""
+    from hf_dsinfer.kernels.quant_cpu import lower_materialize
+
+    if not lower_materialize():
+        pytest.skip("this torch's inductor has no lowering hook: the opaque op stays")
+    lin = _linear(2 * GEMV_BLOCK + 8, 80, True, seed=3)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return lin(torch.nn.functional.silu(x) * 2.0)  # a producer to compute once, not per weight row
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):  # a graph cached before the lowering would call the op
+        for rows in range(1, GEMV_MAX_ROWS + 1):
+            x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows))
+            got, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), x)
+            assert "torch.ops.hf_dsinfer.materialize" not in "\n".join(code)
+            torch.testing.assert_close(got, F.linear(F.silu(x) * 2.0, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_switch_keeps_the_k_major_layout(monkeypatch):
     """``HF_DSINFER_CPU_GEMV=0``: the previous layout (K-major, multiplied by F.linear)."""
     monkeypatch.setenv(linear_mod.ENV_VAR, "0")

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_dsinfer.kernels.backend import get_backend
+from hf_dsinfer.kernels.quant_cpu import lower_materialize
 
 from ..log import logger
 from ..modules import cpu_packed
@@ -342,6 +343,9 @@ class CompiledCPUDecode:
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
             traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
+            # The decode GEMVs' activation barriers (120 in SmolLM2's step) become buffers of the generated code
+            # instead of calls back into Python (kernels/quant_cpu.lower_materialize).
+            lower_materialize()
             backend = functools.partial(_inductor_with_dry_run, options=self.compile_options)
             self._compiled = torch.compile(
                 types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
