@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hf_dsinfer.kernels import decode_attention, encoder_attention, prefill_attention, store_kv
+from hf_dsinfer.kernels import decode_attention, encoder_attention, prefill_attention, store_kv, use_triton
 
 from .kv_cache import StaticKVCache
 from .linear import Linear
@@ -345,10 +345,11 @@ def _sync_free_attend(
 def _cpu_decode_applies(
     q: torch.Tensor, k_cache: torch.Tensor, spec: AttentionSpec, alibi: torch.Tensor | None
 ) -> bool:
-    """Eager decode on CPU in fp32 without softcap or ALiBi: :func:`_cpu_decode_attend` serves it."""
+    """Eager decode on CPU in fp32 without softcap or ALiBi, on the torch backend (``HF_DSINFER_BACKEND=triton`` keeps
+    the Triton kernels): :func:`_cpu_decode_attend` serves it."""
     return (
         q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-        and q.shape[1] == 1 and spec.softcap is None and alibi is None
+        and q.shape[1] == 1 and spec.softcap is None and alibi is None and not use_triton(q)
     )  # fmt: skip
 
 
