@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..modules import linear_layout
+from ..policies.injection import relayout_output_embeddings
 
 
 def match_layer_lists(weights: Any, infer: nn.Module) -> None:
@@ -63,16 +64,4 @@ def row_major_head(model: nn.Module) -> None:
     (``cpu_packed.module_forward``), which read it faster than ``F.linear`` over K-major: 4.4 / 5.9 / 8.2 ms at 1 / 2 /
     3 rows against 5.1 / 10.8 / 15.3. Call before anything holds the head's parameter (values come with the refresh).
     """
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    old = getattr(head, "weight", None)
-    if not isinstance(old, nn.Parameter) or old.ndim != 2:
-        return
-    laid = linear_layout(old)
-    if laid is old:
-        return
-    new = nn.Parameter(laid, requires_grad=old.requires_grad)
-    for module in model.modules():  # every name of the tied parameter
-        for name, p in module._parameters.items():
-            if p is old:
-                module._parameters[name] = new
+    relayout_output_embeddings(model, linear_layout, requires_grad=None)

@@ -146,27 +146,34 @@ def _free(params: list[nn.Parameter]) -> None:
     _drop_file_pages(spans)
 
 
-def _relayout_output_embeddings(model: nn.Module) -> None:
-    """Give the LM head's weight the device's GEMM layout (``modules.gemm_layout``), tied embedding included.
+def relayout_output_embeddings(
+    model: nn.Module, layout: Any = gemm_layout, requires_grad: bool | None = False
+) -> nn.Parameter | None:
+    """Give the LM head's weight the memory layout ``layout(weight)`` returns, tied embedding included.
 
-    At decode time the head is the largest single read (vocab x hidden); on CPU the K-major layout reads it about
-    twice as fast. A tied input embedding gets the same parameter back, so the tie holds (its row gathers read
-    strided memory, a few microseconds per token).
+    Every module holding the head's parameter gets the new one, so a tie holds. ``requires_grad``: the new parameter's
+    flag (None: the old one's). Returns the replaced parameter (its storage is the caller's to free), or None when the
+    model has no 2-D head weight or it already has that layout.
+
+    Injection gives the head the device's GEMM layout (``modules.gemm_layout``): at decode time it is the largest
+    single read (vocab x hidden), and on CPU the K-major layout reads it about twice as fast; a tied input embedding's
+    row gathers then read strided memory (a few microseconds per token). The Hybrid Engine's copy takes
+    ``linear_layout`` instead (``hybrid.build.row_major_head``).
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
     old = getattr(head, "weight", None)
     if not isinstance(old, nn.Parameter) or old.ndim != 2:
-        return
-    laid = gemm_layout(old)
+        return None
+    laid = layout(old)
     if laid is old:
-        return
-    new = nn.Parameter(laid, requires_grad=False)
-    for module in model.modules():
+        return None
+    new = nn.Parameter(laid, requires_grad=old.requires_grad if requires_grad is None else requires_grad)
+    for module in model.modules():  # every name of the tied parameter
         for name, p in module._parameters.items():
             if p is old:
                 module._parameters[name] = new
-    _free([old])
+    return old
 
 
 def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
@@ -285,7 +292,9 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         # same parameter names: the state dict keeps its keys
         setattr(base.get_submodule(parent) if parent else base, attr, final_norm)
 
-    _relayout_output_embeddings(model)
+    replaced = relayout_output_embeddings(model)
+    if replaced is not None:
+        _free([replaced])
     cache = StaticKVCache(
         [s.attention.num_kv_heads for s in specs], [s.attention.head_dim for s in specs], max_tokens, max_batch
     )
