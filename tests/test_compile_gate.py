@@ -6,9 +6,11 @@ needed: the gate only sees Python calls and steps (tests/test_first_hour.py runs
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,6 +43,16 @@ class _Compile:
         self.stop.set()
         self.thread.join(10)
         assert not self.thread.is_alive()
+
+
+@contextlib.contextmanager
+def _step_starting_compile(gate: CompileGate) -> Iterator[_Compile]:
+    """A decode step inside which a compile thread starts (as a bucket's first eager step starts it) and parks."""
+    work = _Compile(gate)
+    with gate.step():
+        work.thread.start()
+        assert _wait_for(lambda: gate.parked == 1)
+        yield work
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> bool:
@@ -77,10 +89,7 @@ def test_steps_park_the_compile_then_lend_it_a_slice(monkeypatch):
     when the step sleeps (releases the GIL); after each step it runs for a slice; when steps stop it runs freely."""
     monkeypatch.setattr(compile_gate, "IDLE_S", 0.2)
     gate = CompileGate()
-    work = _Compile(gate)
-    with gate.step():  # the first step starts the compile, as a bucket's first eager step does
-        work.thread.start()
-        assert _wait_for(lambda: gate.parked == 1)
+    with _step_starting_compile(gate) as work:
         during = work.calls
         time.sleep(0.1)  # a step that gives the GIL up: the parked compile still waits
         assert work.calls - during <= 1
@@ -109,10 +118,7 @@ def test_lent_slice_is_bounded(monkeypatch):
     """A slow step lends at most MAX_SLICE_S."""
     monkeypatch.setattr(compile_gate, "MAX_SLICE_S", 0.01)
     gate = CompileGate()
-    work = _Compile(gate)
-    with gate.step():
-        work.thread.start()
-        assert _wait_for(lambda: gate.parked == 1)
+    with _step_starting_compile(gate) as work:
         time.sleep(0.2)
     try:
         assert gate.lent_s == pytest.approx(0.01)
@@ -124,10 +130,8 @@ def test_switch_interval_is_restored():
     """The short switch interval of a slice is the caller's again afterwards."""
     gate = CompileGate()
     before = sys.getswitchinterval()
-    work = _Compile(gate)
-    with gate.step():
-        work.thread.start()
-        assert _wait_for(lambda: gate.parked == 1)
+    with _step_starting_compile(gate) as work:
+        pass  # the step ends: a slice is lent, under the short switch interval
     try:
         assert gate.lent_s > 0 and sys.getswitchinterval() == before
     finally:
@@ -139,10 +143,7 @@ def test_a_park_is_bounded(monkeypatch):
     monkeypatch.setattr(compile_gate, "PARK_MAX_S", 0.2)
     monkeypatch.setattr(compile_gate, "IDLE_S", 0.05)
     gate = CompileGate()
-    work = _Compile(gate)
-    with gate.step():
-        work.thread.start()
-        assert _wait_for(lambda: gate.parked == 1)
+    with _step_starting_compile(gate) as work:
         parked_at = work.calls
         assert _wait_for(lambda: work.calls > parked_at + 1000, 5.0)  # it ran on inside the step
     work.finish()
