@@ -155,7 +155,12 @@ def test_full_collection_waits_until_the_decoding_thread_is_idle(monkeypatch):
     outside the compile thread never wait."""
     import gc
 
-    monkeypatch.setattr(compile_gate, "IDLE_S", 0.3)
+    # A slice long enough (0.2 s) that the woken compile thread surely reaches its collection inside it, however busy
+    # the machine: with the default tenth of a millisecond-long step it may be parked again first (at the gc callback's
+    # own Python call), which also keeps the collection out of the step but never counts as a held collection.
+    monkeypatch.setattr(compile_gate, "IDLE_S", 0.8)
+    monkeypatch.setattr(compile_gate, "SLICE_FRACTION", 1.0)
+    monkeypatch.setattr(compile_gate, "MAX_SLICE_S", 0.2)
     gate = CompileGate()
     done: list[float] = []
 
@@ -169,6 +174,7 @@ def test_full_collection_waits_until_the_decoding_thread_is_idle(monkeypatch):
         thread.start()
         assert _wait_for(lambda: gate.parked == 1)
         gc.collect()  # the decoding thread is not held (while the held one waits, this returns at once)
+        time.sleep(0.2)  # the step lasts >= 0.2 s, so its slice is MAX_SLICE_S
     step_end = gate.last_step_end
     assert not done  # the slice after the step was not enough: the collection waits for the caller to go idle
     assert gate.held_gcs == 1
