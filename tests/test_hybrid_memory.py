@@ -149,3 +149,35 @@ def _train_step(model, opt, ids: torch.Tensor) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def test_switch_threads_raise_the_switch_only_and_keep_tokens(monkeypatch):
+    """The switch runs at ``switch_threads`` intra-op threads (the re-pack splits over them), the caller's count is
+    back for generate, the tokens equal a one-thread switch's, and ``refresh_cpu_ms`` is recorded."""
+    with pytest.raises(ValueError, match="switch_threads"):
+        HybridEngine(build_tiny("llama", seed=0, **SIZE), switch_threads=0)
+    seen: dict[str, list[int]] = {"refresh": [], "generate": []}
+
+    class Spy(HybridEngine):
+        def refresh(self) -> None:
+            seen["refresh"].append(torch.get_num_threads())
+            super().refresh()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokens = []
+        for threads in (1, 2):
+            model = build_tiny("llama", seed=0, **SIZE).train()
+            he = Spy(model, inference_config={"max_out_tokens": 32, "max_batch_size": 4, "cpu_compile": False},
+                     switch_threads=threads)  # fmt: skip
+            ids, mask = left_pad(prompts((5, 9, 3, 7)))
+            with he.inference():
+                seen["generate"].append(torch.get_num_threads())
+                tokens.append(he.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                          pad_token_id=PAD))  # fmt: skip
+            assert he.stats.last.refreshed and he.stats.last.refresh_cpu_ms > 0
+        assert seen == {"refresh": [1, 2], "generate": [1, 1]}
+        assert torch.equal(tokens[0], tokens[1])
+    finally:
+        torch.set_num_threads(before)

@@ -96,6 +96,10 @@ class HybridEngine(GenerateMixin):
             as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
             inference buffers in place: the refresh copies nothing). Other-dtype tensors are copied. ``False``: copy
             everything.
+        switch_threads: torch intra-op threads for the switch (the refresh at ``eval()`` / ``wake()``, with the
+            re-pack of the CPU packed copies) of a CPU inference copy; ``None`` (default): every CPU this process may
+            use. A lower thread count set by the caller for generate / training is put back after the switch;
+            ``stats.last.refresh_cpu_ms`` is the switch's CPU time over all threads.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
@@ -115,6 +119,7 @@ class HybridEngine(GenerateMixin):
         rollout_rows: int | None = None,
         logp_probe_rows: int = 0,
         share_base: bool | str = "auto",
+        switch_threads: int | None = None,
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -130,6 +135,14 @@ class HybridEngine(GenerateMixin):
         if share_base not in ("auto", True, False):
             raise ValueError(f"share_base={share_base!r}: use 'auto' (share frozen weights) or False (copy them)")
         self.share_base = share_base
+        if switch_threads is not None and (
+            isinstance(switch_threads, bool) or not isinstance(switch_threads, int) or switch_threads < 1
+        ):
+            raise ValueError(
+                f"switch_threads must be an integer >= 1 or None (None: every CPU this process may use), "
+                f"got {switch_threads!r}"
+            )
+        self.switch_threads = switch_threads
         self._shared: Any = None  # SharedBase once built (hybrid/shared_base.py)
         self._asleep: Any = None  # [(tensor, bytes)] freed by sleep() (hybrid/memory.py)
         self.sampling = sampling
@@ -356,6 +369,12 @@ class HybridEngine(GenerateMixin):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _switch_threads(self) -> Any:
+        """The switch's thread context (:func:`.memory.switch_threads`)."""
+        from .memory import switch_threads
+
+        return switch_threads(self.device, self.switch_threads)
+
     @property
     def in_inference(self) -> bool:
         """True between ``eval()`` and ``train()``."""
@@ -376,7 +395,8 @@ class HybridEngine(GenerateMixin):
         self.training_model.eval()
         if self._asleep is not None:  # sleep() freed the copy: storage back and a full refresh, timed as the wake
             t0 = self._now()
-            self.wake()
+            with self._switch_threads():
+                self.wake()
             it.wake_ms = (self._now() - t0) * 1e3
             it.refreshed = True
         fingerprint = self._current_fingerprint()
@@ -385,9 +405,11 @@ class HybridEngine(GenerateMixin):
             stale = self.tp.any_rank(stale, self.device)  # a group refreshes together: no rank keeps stale slices
         if self.module is not None and stale and not it.wake_ms:
             self.weights.gather_s = 0.0
-            t0 = self._now()
-            self.refresh()
+            t0, c0 = self._now(), time.process_time()
+            with self._switch_threads():
+                self.refresh()
             it.refresh_ms = (self._now() - t0) * 1e3
+            it.refresh_cpu_ms = (time.process_time() - c0) * 1e3
             it.gather_ms = self.weights.gather_s * 1e3
             it.refreshed = True
         self._in_inference = True
