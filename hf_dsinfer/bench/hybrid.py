@@ -19,10 +19,11 @@ prompts. Its hybrid row adds the engine's ``memory()`` and the RSS growth that b
 The engine's copy runs as a training run's steady state does: its CPU decode step is compiled during the warm-up
 (``cpu_compile=True``; a run's default ``"auto"`` compiles once eager steps have taken 30 s), and the warm-up waits
 for it; ``HF_DSINFER_CPU_COMPILE=0`` keeps the step eager. Hybrid rows say which (``decode_step``).
-Rows report per-iteration medians, and every iteration in ``runs`` (and the note): generate, refresh (hybrid),
-training and end-to-end milliseconds, the generate
-calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far less than wall time; with one thread
-it is the work done), generated tokens per second, peak memory (CUDA), the load average before and after the setup,
+Rows report per-iteration medians, and every iteration in ``runs`` (and the note): generate, refresh (hybrid: wall
+``refresh_ms``, and ``refresh_cpu_ms``, its CPU time over the ``switch_threads`` it runs at), training and
+end-to-end milliseconds, the generate calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far
+less than wall time; with one thread it is the work done), generated tokens per second, peak memory (CUDA), the load
+average before and after the setup,
 and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate + refresh counted for the
 engine), ``cpu_speedup`` (the same on CPU time), ``switch_pct`` (refresh over generate, percent) and
 ``e2e_speedup``. ``run_hybrid_bench`` returns the rows; ``hf-dsinfer bench
@@ -218,7 +219,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         errors["hybrid"] = error_text(e)
     rss_engine = _rss_bytes() if "hybrid" not in errors else None
     keys = ("generate_ms", "generate_cpu_ms", "train_ms", "e2e_ms", "load")
-    times = {peer: {k: [] for k in keys}, "hybrid": {k: [] for k in (*keys, "refresh_ms")}}
+    times = {peer: {k: [] for k in keys}, "hybrid": {k: [] for k in (*keys, "refresh_ms", "refresh_cpu_ms")}}
 
     def run_peer(record: bool) -> None:
         load = _loadavg()
@@ -251,6 +252,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             times["hybrid"]["generate_ms"].append(it.generate_ms)
             times["hybrid"]["generate_cpu_ms"].append((c1 - c0) * 1e3)
             times["hybrid"]["refresh_ms"].append(it.refresh_ms)
+            times["hybrid"]["refresh_cpu_ms"].append(it.refresh_cpu_ms)  # all threads (switch_threads)
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
             times["hybrid"]["load"].append(load)
@@ -314,6 +316,8 @@ def _runs_text(row: dict) -> str:
     parts = []
     for r in row.get("runs", []):
         refresh = f", refresh {r['refresh_ms']:.0f} ms" if r.get("refresh_ms") is not None else ""
+        if r.get("refresh_cpu_ms") is not None:
+            refresh += f" ({r['refresh_cpu_ms']:.0f} ms CPU)"
         parts.append(f"{r['generate_ms'] / 1e3:.2f}/{r['generate_cpu_ms'] / 1e3:.2f} s{refresh} @{r['load']}")
     return f"{row['peer']} gen wall/CPU " + "; ".join(parts)
 
