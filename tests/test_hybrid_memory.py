@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 
 import pytest
 import torch
@@ -151,33 +152,41 @@ def _train_step(model, opt, ids: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def test_switch_threads_raise_the_switch_only_and_keep_tokens(monkeypatch):
-    """The switch runs at ``switch_threads`` intra-op threads (the re-pack splits over them), the caller's count is
-    back for generate, the tokens equal a one-thread switch's, and ``refresh_cpu_ms`` is recorded."""
+def test_switch_threads_split_the_repack_and_keep_tokens(monkeypatch):
+    """``switch_threads=2`` re-packs at the switch on two threads (whole weights each, the same weights on the same
+    thread at every switch), generate keeps the caller's thread count, the tokens equal a one-thread switch's, and
+    ``refresh_cpu_ms`` is recorded."""
     with pytest.raises(ValueError, match="switch_threads"):
         HybridEngine(build_tiny("llama", seed=0, **SIZE), switch_threads=0)
-    seen: dict[str, list[int]] = {"refresh": [], "generate": []}
+    seen: list[tuple[int, str]] = []  # (slot, thread name) of each re-pack
+    repack = cpu_packed._repack
 
-    class Spy(HybridEngine):
-        def refresh(self) -> None:
-            seen["refresh"].append(torch.get_num_threads())
-            super().refresh()
+    def spy(slot: int, weight: torch.Tensor) -> cpu_packed._Pack:
+        seen.append((slot, threading.current_thread().name))
+        return repack(slot, weight)
 
+    monkeypatch.setattr(cpu_packed, "_repack", spy)
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "1")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tokens = []
+        tokens: dict[int, list[torch.Tensor]] = {}
         for threads in (1, 2):
             model = build_tiny("llama", seed=0, **SIZE).train()
-            he = Spy(model, inference_config={"max_out_tokens": 32, "max_batch_size": 4, "cpu_compile": False},
-                     switch_threads=threads)  # fmt: skip
+            he = HybridEngine(model, inference_config={"max_out_tokens": 32, "max_batch_size": 4, "cpu_compile": False},
+                              switch_threads=threads)  # fmt: skip
             ids, mask = left_pad(prompts((5, 9, 3, 7)))
-            with he.inference():
-                seen["generate"].append(torch.get_num_threads())
-                tokens.append(he.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                          pad_token_id=PAD))  # fmt: skip
-            assert he.stats.last.refreshed and he.stats.last.refresh_cpu_ms > 0
-        assert seen == {"refresh": [1, 2], "generate": [1, 1]}
-        assert torch.equal(tokens[0], tokens[1])
+            gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+            switches = []
+            for _ in range(3):  # the first generate packs; the next two switches re-pack
+                seen.clear()
+                with he.inference():
+                    assert torch.get_num_threads() == 1
+                    tokens.setdefault(threads, []).append(he.generate(**gen))
+                switches.append(sorted(seen))
+                assert he.stats.last.refreshed and he.stats.last.refresh_cpu_ms > 0
+            assert switches[1] and switches[1] == switches[2], "the same weights on the same threads"
+            assert len({name for _, name in switches[1]}) == threads
+        assert all(torch.equal(a, b) for a, b in zip(tokens[1], tokens[2]))
     finally:
         torch.set_num_threads(before)

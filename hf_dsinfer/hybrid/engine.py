@@ -96,9 +96,9 @@ class HybridEngine(GenerateMixin):
             as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
             inference buffers in place: the refresh copies nothing). Other-dtype tensors are copied. ``False``: copy
             everything.
-        switch_threads: torch intra-op threads for the switch (the refresh at ``eval()`` / ``wake()``, with the
-            re-pack of the CPU packed copies) of a CPU inference copy; ``None`` (default): every CPU this process may
-            use. A lower thread count set by the caller for generate / training is put back after the switch;
+        switch_threads: threads that re-pack the CPU packed copies at the switch (``eval()`` / ``wake()``) of a CPU
+            inference copy, whole weights per thread, each thread at the caller's torch thread count; ``None``
+            (default): the CPUs this process may use, at most 4. ``1``: the caller's thread only.
             ``stats.last.refresh_cpu_ms`` is the switch's CPU time over all threads.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
@@ -139,7 +139,7 @@ class HybridEngine(GenerateMixin):
             isinstance(switch_threads, bool) or not isinstance(switch_threads, int) or switch_threads < 1
         ):
             raise ValueError(
-                f"switch_threads must be an integer >= 1 or None (None: every CPU this process may use), "
+                f"switch_threads must be an integer >= 1 or None (None: the CPUs this process may use, at most 4), "
                 f"got {switch_threads!r}"
             )
         self.switch_threads = switch_threads
@@ -335,9 +335,9 @@ class HybridEngine(GenerateMixin):
         # The writes above go through .data, which the version counter does not see, and the optimizer's writes to
         # shared trainable weights bump the training tensors' counters, not these: the CPU packed GEMM copies of every
         # weight that may have changed are re-packed now, so the switch (refresh_ms) pays for them, not the generate.
-        from .memory import repack
+        from .memory import repack, switch_workers
 
-        repack(infer, unchanged)
+        repack(infer, unchanged, switch_workers(self.device, self.switch_threads))
 
     def _read(self, name: str) -> torch.Tensor:
         """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""
@@ -369,12 +369,6 @@ class HybridEngine(GenerateMixin):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _switch_threads(self) -> Any:
-        """The switch's thread context (:func:`.memory.switch_threads`)."""
-        from .memory import switch_threads
-
-        return switch_threads(self.device, self.switch_threads)
-
     @property
     def in_inference(self) -> bool:
         """True between ``eval()`` and ``train()``."""
@@ -395,8 +389,7 @@ class HybridEngine(GenerateMixin):
         self.training_model.eval()
         if self._asleep is not None:  # sleep() freed the copy: storage back and a full refresh, timed as the wake
             t0 = self._now()
-            with self._switch_threads():
-                self.wake()
+            self.wake()
             it.wake_ms = (self._now() - t0) * 1e3
             it.refreshed = True
         fingerprint = self._current_fingerprint()
@@ -406,8 +399,7 @@ class HybridEngine(GenerateMixin):
         if self.module is not None and stale and not it.wake_ms:
             self.weights.gather_s = 0.0
             t0, c0 = self._now(), time.process_time()
-            with self._switch_threads():
-                self.refresh()
+            self.refresh()
             it.refresh_ms = (self._now() - t0) * 1e3
             it.refresh_cpu_ms = (time.process_time() - c0) * 1e3
             it.gather_ms = self.weights.gather_s * 1e3
