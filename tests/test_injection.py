@@ -249,15 +249,15 @@ def test_architecture_without_policy_warns_once_and_matches_hf(tmp_path, caplog,
 
 @torch.no_grad()
 def test_cpu_layouts_of_fused_linears_and_head(tmp_path):
-    """On CPU (fp32) the fused linears are row-major (their decode GEMV streams rows, modules/linear.py) and the
-    (tied) LM head, an ``F.linear`` weight, is K-major; values, ties and outputs are unchanged."""
+    """On CPU (fp32) the fused linears and the (tied) LM head are row-major (their decode GEMV streams rows,
+    modules/linear.py); values, ties and outputs are unchanged, and the head takes no gradient (as the fused layers)."""
     path = save_tiny("llama", tmp_path / "tied", tie_word_embeddings=True)
     ref, opt = _pair(path)
     layer = get_injection(opt).runtime.layers[0]
     for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.up, layer.mlp.down):
         assert linear.weight.is_contiguous(), "fused linear weight should be row-major on CPU"
     head, emb = opt.get_output_embeddings().weight, opt.get_input_embeddings().weight
-    assert head is emb and head.stride() == (1, head.shape[0])
+    assert head is emb and head.is_contiguous() and not head.requires_grad
     torch.testing.assert_close(head, ref.get_output_embeddings().weight, atol=0, rtol=0)
     ids = torch.tensor([prompts()[0]])
     torch.testing.assert_close(opt(input_ids=ids).logits, ref(input_ids=ids).logits, **TOL)

@@ -114,3 +114,53 @@ def test_switch_keeps_the_k_major_layout(monkeypatch):
     laid = linear_layout(torch.randn(48, 16))
     assert laid.stride() == (1, 48)
     assert not linear_mod._row_gemv_applies(torch.randn(1, 16), laid)
+
+
+def _head(bias: bool = False) -> torch.nn.Linear:
+    """An LM-head-like ``nn.Linear [640, 512]`` (above cpu_packed.MIN_ELEMENTS), row-major as HF stores it."""
+    torch.manual_seed(5)
+    return torch.nn.Linear(512, 640, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "path"),
+    [((1, 1), "gemv"), ((3, 1), "gemv"), ((8, 1), "packed"), ((2, 40), "onednn"), ((1, 2), "gemv"),
+     ((1, 6), "f_linear")],  # fmt: skip
+)
+@torch.no_grad()
+def test_head_forward_takes_the_row_count_s_path(one_thread, monkeypatch, shape, path, bias):
+    """``head_forward`` over HF's row-major fp32 head: row GEMV at 1-3 rows, prepacked at 4-32 one-token rows, oneDNN
+    from cpu_gemm.MIN_ROWS rows (a prefill), F.linear for a few-token prefill; ``F.linear``'s values on each path."""
+    from hf_dsinfer.modules import cpu_gemm, cpu_packed
+
+    if path == "packed" and not cpu_packed.available():
+        pytest.skip("oneDNN's prepacked linear is not available in this torch")
+    if path == "onednn" and not cpu_gemm.available():
+        pytest.skip("oneDNN's linear is not available in this torch")
+    taken = []
+    for mod, name, tag in ((linear_mod, "_row_gemv", "gemv"), (cpu_packed, "linear", "packed"),
+                           (cpu_gemm, "linear", "onednn")):  # fmt: skip
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _tag=tag, **k: taken.append(_tag) or _real(*a, **k))
+    head = _head(bias)
+    x = torch.randn(*shape, 512, generator=torch.Generator().manual_seed(6))  # [B, T, C]
+    got = linear_mod.head_forward(head, x)
+    assert taken == ([] if path == "f_linear" else [path])
+    assert got.shape == (*shape, 640)
+    torch.testing.assert_close(got, F.linear(x, head.weight, head.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_head_forward_leaves_hooks_and_autograd_to_the_module(one_thread):
+    """A head with a forward hook is called as a module (the hook runs); with autograd the result has a gradient."""
+    head = _head()
+    seen = []
+    head.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    x = torch.randn(2, 40, 512)
+    with torch.no_grad():
+        linear_mod.head_forward(head, x)
+    assert seen == [(2, 40, 640)]
+    trained = _head().requires_grad_(True)
+    y = linear_mod.head_forward(trained, x)  # many rows with a gradient: not the oneDNN op (no backward)
+    y.sum().backward()
+    torch.testing.assert_close(trained.weight.grad, x.reshape(-1, 512).sum(0).expand(640, 512), rtol=1e-4, atol=1e-3)

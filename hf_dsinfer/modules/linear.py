@@ -12,9 +12,11 @@ a K-major one at 12-20 GB/s. Two faster ways over the *row-major* weight (the la
 
 So the fused layers' fp32 CPU weights stay row-major (:func:`linear_layout`) and :meth:`Linear.forward` takes those
 paths up to :data:`GEMV_MAX_ROWS` rows; docs/performance.md has the measurements. The LM head is HF's own
-``nn.Linear`` (called through ``F.linear``), so it keeps the K-major layout (:func:`gemm_layout`).
-``HF_DSINFER_CPU_GEMV=0`` (read when a model is injected) stores the fused linears K-major for ``F.linear`` instead,
-as before this path existed.
+``nn.Linear`` and keeps HF's row-major layout too (the embedding's natural one when tied); the injected forward
+calls it through :func:`head_forward` and the decode step through ``cpu_packed.module_forward``, which give it the
+same paths as :class:`Linear`.
+``HF_DSINFER_CPU_GEMV=0`` (read when a model is injected) stores the fused linears and the head K-major for
+``F.linear`` instead, as before this path existed.
 """
 
 from __future__ import annotations
@@ -175,3 +177,17 @@ def _row_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         parts.append(F.linear(x2, weight[head:]))  # [M, N - head]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [M, N]
     return y.view(*x.shape[:-1], n)
+
+
+def head_forward(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)`` for the LM head (HF's ``nn.Linear``, ``x [..., C] -> [..., V]``) over the fused linears' CPU paths.
+
+    fp32 on CPU over a row-major weight: the row GEMV at 1-3 rows and the prepacked GEMM at 4-32 one-token rows
+    (``cpu_packed.module_forward``), oneDNN's GEMM from ``cpu_gemm.MIN_ROWS`` rows (prefill, forward-only scoring).
+    Anything else (another device or dtype, a quantized, peft or TP head, a head with hooks, autograd) is simply
+    ``head(x)``, so HF's own module computes it.
+    """
+    if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
+        if cpu_gemm.applies(x, head.weight) and (head.bias is None or head.bias.dtype == torch.float32):
+            return cpu_gemm.linear(x, head.weight, head.bias)  # [..., V]
+    return cpu_packed.module_forward(head, x)  # [..., V]

@@ -147,18 +147,18 @@ def _free(params: list[nn.Parameter]) -> None:
 
 
 def relayout_output_embeddings(
-    model: nn.Module, layout: Any = gemm_layout, requires_grad: bool | None = False
+    model: nn.Module, layout: Any = linear_layout, requires_grad: bool | None = False
 ) -> nn.Parameter | None:
     """Give the LM head's weight the memory layout ``layout(weight)`` returns, tied embedding included.
 
     Every module holding the head's parameter gets the new one, so a tie holds. ``requires_grad``: the new parameter's
-    flag (None: the old one's). Returns the replaced parameter (its storage is the caller's to free), or None when the
-    model has no 2-D head weight or it already has that layout.
+    flag (None: the old one's; a weight already in that layout gets the flag in place). Returns the replaced parameter
+    (its storage is the caller's to free), or None when the model has no 2-D head weight or it already has that
+    layout.
 
-    Injection gives the head the device's GEMM layout (``modules.gemm_layout``): at decode time it is the largest
-    single read (vocab x hidden), and on CPU the K-major layout reads it about twice as fast; a tied input embedding's
-    row gathers then read strided memory (a few microseconds per token). The Hybrid Engine's copy takes
-    ``linear_layout`` instead (``hybrid.build.row_major_head``).
+    Injection and the Hybrid Engine's copy (``hybrid.build.row_major_head``) pass ``linear_layout``: the head is then
+    stored as the fused linears are (row-major for fp32 on CPU, HF's own layout, so usually nothing is copied) and
+    ``modules.linear.head_forward`` runs it over their paths. ``HF_DSINFER_CPU_GEMV=0`` makes that layout K-major.
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
@@ -167,6 +167,8 @@ def relayout_output_embeddings(
         return None
     laid = layout(old)
     if laid is old:
+        if requires_grad is not None:
+            old.requires_grad_(requires_grad)  # as a replaced parameter would have it (inference: no gradient)
         return None
     new = nn.Parameter(laid, requires_grad=old.requires_grad if requires_grad is None else requires_grad)
     for module in model.modules():  # every name of the tied parameter
@@ -292,6 +294,8 @@ def inject(model: nn.Module, cfg: Any, tp: TPLayout | None = None) -> nn.Module:
         # same parameter names: the state dict keeps its keys
         setattr(base.get_submodule(parent) if parent else base, attr, final_norm)
 
+    # The head keeps the fused linears' layout (row-major for fp32 on CPU, as HF stores it: nothing to copy), so its
+    # decode GEMV streams rows like theirs and a tied embedding gathers contiguous rows (modules/linear.py).
     replaced = relayout_output_embeddings(model)
     if replaced is not None:
         _free([replaced])

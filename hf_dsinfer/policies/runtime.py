@@ -18,6 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .. import hf_compat
 from ..modules import FusedNorm, RotaryTable, StaticKVCache, StepContext
+from ..modules.linear import head_forward
 
 if TYPE_CHECKING:
     from .base import Policy
@@ -385,7 +386,8 @@ def install_causal_lm_forward(model: nn.Module, runtime: Runtime) -> None:
         name, see ``base_forward``)."""
         past = hf_compat.resolve_cache(cache, past_key_values)
         hidden, handle = runtime.run(self, input_ids, inputs_embeds, attention_mask, position_ids, past, kwargs)
-        logits = self.get_output_embeddings()(_slice_to_keep(hidden, logits_to_keep))  # [B, T', V]
+        # the fused linears' CPU paths (row GEMV / prepacked / oneDNN by row count); anything else is head(x)
+        logits = head_forward(self.get_output_embeddings(), _slice_to_keep(hidden, logits_to_keep))  # [B, T', V]
         logits = runtime.policy.finalize_logits(self, logits)
         loss = None
         if labels is not None:
