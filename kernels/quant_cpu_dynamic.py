@@ -23,6 +23,7 @@ in a table under an int slot that the graph's op receives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -36,6 +37,17 @@ __all__ = ["ACTIVATIONS_ENV", "Int8DynamicPack", "enabled", "int8_dynamic_linear
 ACTIVATIONS_ENV = "HF_DSINFER_QUANT_INT8_ACTIVATIONS"
 
 _PACKS: dict[int, torch.ScriptObject] = {}
+
+
+@contextlib.contextmanager
+def _fbgemm_engine():
+    """fbgemm as the quantized engine while packing (the packed object keeps its backend), the caller's put back."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
 
 
 def _per_channel_qint8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -71,13 +83,14 @@ def _probe() -> bool | None:
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return None
     try:
-        torch.backends.quantized.engine = "fbgemm"
         k = 64
         q = torch.full((16, k), 127, dtype=torch.int8)  # [N, K]
         w = _per_channel_qint8(q, torch.ones(16))  # scale 1 per row
         x = torch.full((1, k), 255.0)  # one scale of 1.0, zero point 0: every activation quantizes to 255
         x[0, 0] = 0.0
-        got = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(w, None), False)  # [1, 16]
+        with _fbgemm_engine():
+            packed = torch.ops.quantized.linear_prepack(w, None)
+        got = torch.ops.quantized.linear_dynamic(x, packed, False)  # [1, 16]
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
     return not torch.allclose(got, x @ q.float().t(), rtol=1e-3)
@@ -91,11 +104,11 @@ class Int8DynamicPack:
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         """Pack ``q [N, K]`` int8 with fp32 row scales ``scales [N]`` (symmetric: zero points 0). The integers are
         used as they are: ``q * s`` is the reference's weight."""
-        torch.backends.quantized.engine = "fbgemm"  # the engine linear_prepack packs for (x86's default)
         w = _per_channel_qint8(q, scales)
         self.reduce_range = reduce_range_needed()
         self.slot = next(_SLOTS)
-        _PACKS[self.slot] = torch.ops.quantized.linear_prepack(w, None)
+        with _fbgemm_engine():
+            _PACKS[self.slot] = torch.ops.quantized.linear_prepack(w, None)
 
     def __del__(self, _packs: dict = _PACKS) -> None:  # the table bound now: module globals are gone at exit
         _packs.pop(self.slot, None)

@@ -101,3 +101,11 @@ def test_prepack_flags_the_quantized_head_only(tmp_path):
     assert head.cpu_packed().dynamic is not None
     body = next(m for m in model.modules() if isinstance(m, QuantLinear) and m is not head)
     assert body.cpu_packed().dynamic is None
+
+
+def test_packing_leaves_the_quantized_engine_as_it_was():
+    before = torch.backends.quantized.engine
+    _, _, _, packed = _packed(int8_activations=True)
+    assert torch.backends.quantized.engine == before
+    x = torch.randn(1, K)
+    assert torch.isfinite(_compiled(packed)(x)).all()
