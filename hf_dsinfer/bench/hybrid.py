@@ -20,10 +20,9 @@ The engine's copy runs as a training run's steady state does: its CPU decode ste
 (``cpu_compile=True``; a run's default ``"auto"`` compiles once eager steps have taken 30 s), and the warm-up waits
 for it; ``HF_DSINFER_CPU_COMPILE=0`` keeps the step eager. Hybrid rows say which (``decode_step``).
 Rows report per-iteration medians, and every iteration in ``runs`` (and the note): generate, refresh (hybrid: wall
-``refresh_ms``, and ``refresh_cpu_ms``, its CPU time over the ``switch_threads`` it runs at), training and
-end-to-end milliseconds, the generate calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far
-less than wall time; with one thread it is the work done), generated tokens per second, peak memory (CUDA), the load
-average before and after the setup,
+``refresh_ms``, and ``refresh_cpu_ms``, its process CPU time), training and end-to-end milliseconds, the generate
+calls' process CPU time (``generate_cpu_ms``: on a loaded machine it moves far less than wall time; with one thread
+it is the work done), generated tokens per second, peak memory (CUDA), the load average before and after the setup,
 and on hybrid rows ``speedup`` (the peer's generate time over the engine's, generate + refresh counted for the
 engine), ``cpu_speedup`` (the same on CPU time), ``switch_pct`` (refresh over generate, percent) and
 ``e2e_speedup``. ``run_hybrid_bench`` returns the rows; ``hf-dsinfer bench
@@ -252,7 +251,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             times["hybrid"]["generate_ms"].append(it.generate_ms)
             times["hybrid"]["generate_cpu_ms"].append((c1 - c0) * 1e3)
             times["hybrid"]["refresh_ms"].append(it.refresh_ms)
-            times["hybrid"]["refresh_cpu_ms"].append(it.refresh_cpu_ms)  # all threads (switch_threads)
+            times["hybrid"]["refresh_cpu_ms"].append(it.refresh_cpu_ms)  # process CPU time
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
             times["hybrid"]["load"].append(load)

@@ -96,10 +96,6 @@ class HybridEngine(GenerateMixin):
             as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
             inference buffers in place: the refresh copies nothing). Other-dtype tensors are copied. ``False``: copy
             everything.
-        switch_threads: threads that re-pack the CPU packed copies at the switch (``eval()`` / ``wake()``) of a CPU
-            inference copy, whole weights per thread, each thread at the caller's torch thread count; ``None``
-            (default): the CPUs this process may use, at most 4. ``1``: the caller's thread only.
-            ``stats.last.refresh_cpu_ms`` is the switch's CPU time over all threads.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
@@ -119,7 +115,6 @@ class HybridEngine(GenerateMixin):
         rollout_rows: int | None = None,
         logp_probe_rows: int = 0,
         share_base: bool | str = "auto",
-        switch_threads: int | None = None,
         **config_kwargs: Any,
     ):
         if refresh not in ("always", "auto"):
@@ -135,14 +130,6 @@ class HybridEngine(GenerateMixin):
         if share_base not in ("auto", True, False):
             raise ValueError(f"share_base={share_base!r}: use 'auto' (share frozen weights) or False (copy them)")
         self.share_base = share_base
-        if switch_threads is not None and (
-            isinstance(switch_threads, bool) or not isinstance(switch_threads, int) or switch_threads < 1
-        ):
-            raise ValueError(
-                f"switch_threads must be an integer >= 1 or None (None: the CPUs this process may use, at most 4), "
-                f"got {switch_threads!r}"
-            )
-        self.switch_threads = switch_threads
         self._shared: Any = None  # SharedBase once built (hybrid/shared_base.py)
         self._asleep: Any = None  # [(tensor, bytes)] freed by sleep() (hybrid/memory.py)
         self.sampling = sampling
@@ -335,9 +322,9 @@ class HybridEngine(GenerateMixin):
         # The writes above go through .data, which the version counter does not see, and the optimizer's writes to
         # shared trainable weights bump the training tensors' counters, not these: the CPU packed GEMM copies of every
         # weight that may have changed are re-packed now, so the switch (refresh_ms) pays for them, not the generate.
-        from .memory import repack, switch_workers
+        from .memory import repack
 
-        repack(infer, unchanged, switch_workers(self.device, self.switch_threads))
+        repack(infer, unchanged)
 
     def _read(self, name: str) -> torch.Tensor:
         """The effective training value of HF parameter ``name`` (LoRA fused, gathered): this rank's slice under TP."""

@@ -21,7 +21,7 @@ class IterationStats:
     index: int
     refreshed: bool = False
     refresh_ms: float = 0.0
-    refresh_cpu_ms: float = 0.0  # the refresh's process CPU time (all threads; the switch runs at switch_threads)
+    refresh_cpu_ms: float = 0.0  # the refresh's process CPU time (all threads of the process)
     gather_ms: float = 0.0
     generate_ms: float = 0.0
     generate_calls: int = 0

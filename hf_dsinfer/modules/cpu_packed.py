@@ -90,7 +90,6 @@ _packs: dict[int, _Pack] = {}  # slot -> pack (empty slots have no entry)
 _owners: dict[int, weakref.ref] = {}  # slot -> its module
 _slots = itertools.count(1)
 _available: bool | None = None
-_stats_lock = threading.Lock()
 _stats = {"packs": 0}  # how many weights were (re-)packed in this process (tests and reports read it)
 _on = False  # the process-wide switch, refreshed by sync() outside compiled graphs (a traced read is guarded)
 _ragged = threading.local()  # .on: inside ragged_rows() on this thread
@@ -295,8 +294,7 @@ def _repack(slot: int, weight: torch.Tensor) -> _Pack:
         # The reorder reads row-major [rows, in]; a K-major weight's rows are copied once for it (transiently).
         chunks.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach()[a:b].contiguous(), None))
     del old
-    with _stats_lock:  # the Hybrid Engine re-packs from several threads
-        _stats["packs"] += 1
+    _stats["packs"] += 1
     pack = _packs[slot] = _Pack(weight.data_ptr(), _version(weight), tuple(weight.shape), chunks, bounds)
     return pack
 
