@@ -61,7 +61,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import quant_cpu_dynamic as _dynamic
 from .quant_cpu_fused import fused_matmul as _fused_matmul
 from .quant_cpu_fused import fused_nibble_matmul, pack_nibbles, unpack_nibbles
 from .quant_format import QuantSpec
@@ -119,9 +118,6 @@ class CpuPackedWeight:
     # dequant of int4 with an even group size: ``weight`` is [N, K_pad / 2] uint8, two codes per byte
     # (quant_cpu_fused.pack_nibbles), ``zeros`` the fp32 products z * s ``[N, G]`` (8 * s when symmetric).
     nibbles: bool = False
-    # fp16gemm of per-channel symmetric int8 weights: fbgemm's u8 x s8 pack of the same integers, which one-row
-    # matmuls of a compiled decode step use with activations quantized per call (quant_cpu_dynamic.py); None: off.
-    dynamic: _dynamic.Int8DynamicPack | None = None
 
     def __deepcopy__(self, memo: dict) -> CpuPackedWeight:
         import copy
@@ -130,8 +126,7 @@ class CpuPackedWeight:
             fields = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)}
             return CpuPackedWeight(**fields)
         qweight, scales, zeros = copy.deepcopy(self.source, memo)  # fbgemm's handle cannot be copied: pack again
-        return pack_for_cpu(qweight, scales, zeros, self.spec, self.in_features, kind=self.kind,
-                            int8_activations=self.dynamic is not None)  # fmt: skip
+        return pack_for_cpu(qweight, scales, zeros, self.spec, self.in_features, kind=self.kind)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The tensors, to register as non-persistent buffers (``module.register_buffer(name, t, persistent=False)``)
@@ -293,14 +288,10 @@ def pack_for_cpu(
     *,
     kind: str | None = None,
     compute_dtype: torch.dtype = torch.float32,
-    int8_activations: bool = False,
 ) -> CpuPackedWeight:
     """Pack a :mod:`.quant_format` weight for :func:`cpu_quant_matmul` (once, at load; the inputs are not kept
     unless ``kind="dequant"``). ``kind``: one of :data:`KINDS` (default: :func:`default_kind`); ``compute_dtype``:
-    fp32 (exact) or bf16 (see the module docstring); ``int8_activations``: for a per-channel symmetric int8 weight
-    packed as ``fp16gemm``, also pack it for one-row compiled decode matmuls with activations quantized to 8 bits
-    (:mod:`.quant_cpu_dynamic`: not exact; ignored where fbgemm is missing or
-    ``HF_DSINFER_QUANT_INT8_ACTIVATIONS=0``). A kind that :func:`check_kind` rejects for this shape is
+    fp32 (exact) or bf16 (see the module docstring). A kind that :func:`check_kind` rejects for this shape is
     replaced by :data:`FALLBACK_KIND` (one info line per shape class): the result's ``kind`` says which was used."""
     spec = spec.for_features(in_features)
     if compute_dtype not in (torch.float32, torch.bfloat16):
@@ -313,7 +304,7 @@ def pack_for_cpu(
         raise ValueError(f"kind={kind!r} computes in fp32 (fp32 activations, fp16 weights); drop compute_dtype")
     if kind != FALLBACK_KIND and check_kind(kind, spec, in_features, qweight.shape[0], compute_dtype) is not None:
         kind = FALLBACK_KIND
-    return _pack(qweight, scales, zeros, spec, in_features, kind, compute_dtype, int8_activations)
+    return _pack(qweight, scales, zeros, spec, in_features, kind, compute_dtype)
 
 
 def _pack(
@@ -324,7 +315,6 @@ def _pack(
     in_features: int,
     kind: str,
     compute_dtype: torch.dtype,
-    int8_activations: bool = False,
 ) -> CpuPackedWeight:
     """:func:`pack_for_cpu` without the checks (``spec`` already for ``in_features``, ``kind`` supported)."""
     n, k = qweight.shape[0], in_features
@@ -348,15 +338,12 @@ def _pack(
             mask = None if groups == 1 else (col_group[None, :] == torch.arange(groups)[:, None]).float()  # [G, K]
         exact = torch.equal(q.half().float(), q)  # what the fp16 pack holds is what the reference computes
         packed = Fp16Pack(q)  # an opaque object owned by fbgemm
-        fused, dynamic = (), None
-        if int8_activations and spec.num_bits == 8 and groups == 1 and zeros is None and _dynamic.enabled():
-            dynamic = _dynamic.Int8DynamicPack(qweight, scales.float())  # the stored integers and row scales
+        fused = ()
         if spec.num_bits == 8 and k % spec.group_size == 0:  # whole groups: the integers reshape to [N, G, gs]
             fused = (qweight.contiguous(), scales.float().reshape(n, groups, 1).contiguous(),
                      zeros.float().reshape(n, groups, 1).contiguous() if zeros is not None else None)  # fmt: skip
         return CpuPackedWeight(kind, packed, post, mask, spec, k, n, spec.group_size, k, compute_dtype=compute_dtype,
-                               source=(qweight, scales, zeros), exact=exact, fused=fused,
-                               dynamic=dynamic)  # fmt: skip
+                               source=(qweight, scales, zeros), exact=exact, fused=fused)  # fmt: skip
     if kind == "dequant":
         gs, groups = spec.group_size, spec.n_groups(k)
         k_pad = gs * groups
@@ -498,12 +485,7 @@ def cpu_quant_matmul(x: torch.Tensor, packed: CpuPackedWeight, bias: torch.Tenso
         raise ValueError(f"x must be [..., in_features={packed.in_features}], got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features)  # [M, K]
-    if packed.dynamic is not None and x2.shape[0] == 1 and torch.compiler.is_compiling():
-        # One decode row of int8 weights: activations quantized to 8 bits for this row, integer products (about half
-        # the fused fp32 loop's time; its cost in perplexity: docs/quantization.md). Several rows would share one
-        # activation scale, so they keep the exact loop below.
-        y = _dynamic.int8_dynamic_linear(x2, packed.dynamic, packed.out_features)
-    elif packed.fused and _fuse_dequant(packed, x2.shape[0]):
+    if packed.fused and _fuse_dequant(packed, x2.shape[0]):
         # int8 weights packed for fbgemm, decoding under torch.compile: the stored integers read directly (1 byte per
         # weight against the fp16 pack's 2; measured faster on SmolLM2's shapes, docs/performance.md).
         y = _fused_matmul(x2, *packed.fused, packed.group, packed.in_features)

@@ -106,9 +106,6 @@ class QuantLinear(nn.Module):
         self.reduce = reduce
         self._cpu_packed = None  # CpuPackedWeight, built once (cpu_packed()) and again when the buffers change
         self._cpu_key: tuple | None = None
-        # One-row compiled decode matmuls with activations quantized to 8 bits (int8 per channel only; not exact):
-        # set on the LM head by :func:`prepack_cpu`, where its perplexity cost was measured small (docs/quantization.md)
-        self.int8_activations = False
 
     # -- construction --------------------------------------------------------------------------------------------
 
@@ -185,7 +182,7 @@ class QuantLinear(nn.Module):
 
     def _buffer_key(self) -> tuple:
         ts = [t for t in (self.weight, self.weight_scales, self.weight_zeros) if t is not None]
-        return (*((t.data_ptr(), t._version, t.device) for t in ts), self.int8_activations)
+        return tuple((t.data_ptr(), t._version, t.device) for t in ts)
 
     def cpu_packed(self) -> object | None:
         """The weight packed for torch's CPU ops (``kernels/quant_cpu.py``), built on first use and again whenever
@@ -202,7 +199,7 @@ class QuantLinear(nn.Module):
         if self._cpu_packed is None or key != self._cpu_key:
             kind = _cpu_kind(self.spec, self.in_features)
             args = (self.weight, self.weight_scales, self.weight_zeros, self.spec, self.in_features)
-            self._cpu_packed = pack_for_cpu(*args, kind=kind, int8_activations=self.int8_activations)
+            self._cpu_packed = pack_for_cpu(*args, kind=kind)
             if not self._cpu_packed.exact and os.environ.get(CPU_KIND_ENV, "auto") == "auto":
                 self._cpu_packed = pack_for_cpu(*args)  # scales from elsewhere: the exact default kind
             self._cpu_key = key
@@ -444,19 +441,5 @@ def release_quantized(modules: list[nn.Module]) -> None:
 
 def prepack_cpu(model: nn.Module) -> int:
     """Build the CPU pack of every :class:`QuantLinear` of ``model`` now (before a step is compiled); returns how
-    many were packed.
-
-    A quantized LM head (``model.get_output_embeddings()``) gets :attr:`QuantLinear.int8_activations`: its one-row
-    decode GEMV, the largest of a small model's step, multiplies 8-bit activations by its int8 weights (fbgemm).
-    SmolLM2-135M's perplexity on GPL-3 against fp32 went from +0.37% to +0.52% (int8) and from -0.01% to +0.29%
-    (int4 with an int8 head); the body's matmuls stay exact (8-bit activations there too: int8 +2.49%, beyond the 1%
-    bound; docs/quantization.md).
-    ``HF_DSINFER_QUANT_INT8_ACTIVATIONS=0`` keeps the head exact."""
-    get_out = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get_out() if get_out is not None else None
-    except (AttributeError, NotImplementedError):
-        head = None
-    if isinstance(head, QuantLinear):
-        head.int8_activations = True
+    many were packed."""
     return sum(m.cpu_packed() is not None for m in model.modules() if isinstance(m, QuantLinear))
