@@ -71,7 +71,8 @@ _CAUSAL_ROWS = [n for n, a in ARCHITECTURES.items() if a.auto_class == "AutoMode
 @pytest.mark.parametrize("name", _CAUSAL_ROWS)
 @torch.no_grad()
 def test_save_reload_round_trip_for_every_policy_family(name, tied, tmp_path):  # defect 1 (the tied rows)
-    """Tied LM head / embedding in the CPU K-major layout: save_pretrained writes plain HF weights that reload."""
+    """Tied LM head / embedding in the CPU layout injection gives them: save_pretrained writes plain HF weights that
+    reload."""
     ref = build_tiny(name, tie_word_embeddings=tied)
     engine = hf_dsinfer.init_inference(build_tiny(name, tie_word_embeddings=tied), **FAST)
     assert is_injected(engine.module), name  # every causal row has a fused policy: the fused layout is what is saved

@@ -55,7 +55,8 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
 
 def row_major_head(model: nn.Module) -> None:
     """Store the (injected) copy's LM head weight, tied embedding included, as :class:`~hf_dsinfer.modules.Linear`
-    stores its weights (``linear_layout``: row-major for fp32 on CPU) instead of injection's K-major ``gemm_layout``.
+    stores its weights (``linear_layout``: row-major for fp32 on CPU), as injection now does too (unless
+    ``HF_DSINFER_CPU_GEMV=0`` asked it for the K-major ``gemm_layout``).
 
     Why: the engine re-packs a changed head at every switch (``modules/cpu_packed.py``: oneDNN's prepacked GEMM at
     4-32 rows), and packing reads row-major rows; from the K-major layout each re-pack first transposed the weight.

@@ -6,7 +6,7 @@ at ``M = 8`` against 2.5 ms at ``M = 1``, for the same bytes. oneDNN's linear ov
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``, the ops
 inductor's CPU "freezing" pass uses) took 7.5 ms. Summed over the preset's linears and head, packed was 1.4-2.3x
 faster at ``M = 4`` and ``8`` in every run taken (docs/performance.md), 1.0-1.2x at ``M = 2`` and at 64-512 rows,
-and 1.4-2x slower at ``M = 1``, where the K-major GEMV (``linear.gemm_layout``) wins. Hence the window
+and 1.4-2x slower at ``M = 1``, where a GEMV wins (now the row-streaming one of ``modules/linear.py``). Hence the window
 :data:`MIN_ROWS`..:data:`MAX_ROWS` rows of one token each (a prefill never packs, so batch-1 use holds no copy), and
 :data:`MIN_ELEMENTS`: oneDNN's call costs more than MKL's, which a 512x512 weight does not repay.
 
