@@ -55,6 +55,7 @@ The packed layouts are torch's internal ones: never save them; pack again at loa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 
@@ -208,21 +209,16 @@ else:
     _LIB.impl("materialize", lambda x: x.clone(), "CPU")
     torch.library.register_fake("hf_dsinfer::materialize", lambda x: torch.empty_like(x), lib=_LIB)
 
-_MATERIALIZE_LOWERED: list[bool] = []  # [True] once :func:`lower_materialize` ran (registered or not)
-
-
+@functools.cache  # registered once per process; later calls return the first answer
 def lower_materialize() -> bool:
     """Give inductor a lowering of ``hf_dsinfer::materialize``: a copy that inductor realizes into a buffer of the
     generated code, so the producer is still computed once (not inlined into the consumer loop) but no opaque op is
     called. Without it every use is a call back into Python (~7 us here; the compiled SmolLM2 decode step makes 120)
     plus a size and an alignment assert on its output. Called before a graph is compiled (idempotent); False when this
     torch's inductor has no such hook (the opaque op then stays, same values)."""
-    if _MATERIALIZE_LOWERED:
-        return _MATERIALIZE_LOWERED[0]
     try:
         from torch._inductor.lowering import clone, register_lowering
     except ImportError:  # pragma: no cover - an inductor without these names: keep the opaque op
-        _MATERIALIZE_LOWERED.append(False)
         return False
 
     def _lowered(x):
@@ -231,7 +227,6 @@ def lower_materialize() -> bool:
         return out
 
     register_lowering(torch.ops.hf_dsinfer.materialize.default, type_promotion_kind=None)(_lowered)
-    _MATERIALIZE_LOWERED.append(True)
     return True
 
 

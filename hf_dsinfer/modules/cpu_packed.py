@@ -218,6 +218,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod
     return y.view(*x.shape[:-1], weight.shape[0])  # [M, out] -> [..., out]
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` without forward hooks: its forward is ``F.linear`` and may be replaced by an equal product
+    (not a subclass, nor a peft / TP wrapper, nor a module whose hooks must run)."""
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
 def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` for a plain ``nn.Linear`` without hooks (the LM head): packed where :func:`applies`; at 1-3 rows
     over a row-major fp32 weight (the Hybrid Engine's head, ``hybrid.build.row_major_head``), the row-streaming GEMV
@@ -225,7 +231,7 @@ def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     Anything else (a subclass, a peft or TP wrapper, a module with hooks) is simply called.
     """
-    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+    if not is_plain_linear(module):
         return module(x)
     if applies(x, module.weight, module):
         return linear(x, module.weight, module.bias, module)

@@ -187,7 +187,7 @@ def head_forward(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Anything else (another device or dtype, a quantized, peft or TP head, a head with hooks, autograd) is simply
     ``head(x)``, so HF's own module computes it.
     """
-    if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
+    if cpu_packed.is_plain_linear(head):
         if cpu_gemm.applies(x, head.weight) and (head.bias is None or head.bias.dtype == torch.float32):
             return cpu_gemm.linear(x, head.weight, head.bias)  # [..., V]
     return cpu_packed.module_forward(head, x)  # [..., V]
