@@ -90,12 +90,25 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
         from ..modules.quant_linear import prepack_cpu
 
         prepack_cpu(model)
+    record = get_injection(model)
+    if record is not None:  # CPU: the fused layers' and the head's weights in one allocation (decoding reads faster)
+        from ..modules.weight_arena import pack_into_arena
+        from ..policies.injection import _drop_file_pages
+
+        pack_into_arena([*record.runtime.layers, *_head(model)], release=_drop_file_pages)
     # the fast generate loop (greedy/sampling), per instance: fused layers, or HF's modules on the generic path
-    install_generate(model, cfg, get_injection(model) or get_generic(model))
+    install_generate(model, cfg, record or get_generic(model))
     if is_tensor_parallel(model):
         # The fast loop samples on every rank from the same gathered logits: rank 0's RNG state must reach all.
         parallel.sync_rng_before_generate(model, model._dsinfer_tp_group)
     return model
+
+
+def _head(model: nn.Module) -> list[nn.Module]:
+    """The model's LM head module (read whole at every decode step), where it has one; an untied input embedding is
+    only gathered from, row by row, and stays where it is."""
+    module = getattr(model, "get_output_embeddings", lambda: None)()
+    return [module] if isinstance(module, nn.Module) else []
 
 
 def tp_layout(model: nn.Module):
