@@ -1,19 +1,23 @@
-"""One contiguous allocation (an arena) for a CPU model's decoder-layer weights.
+"""One contiguous allocation (an arena) for a CPU model's decoder-layer weights and LM head.
 
 Why: a CPU decode step at batch 1 streams every weight once, and one thread's read rate depends on how the weights
-were allocated. SmolLM2-135M's 120 body matrices (fp32, 1 thread, the compiled step's row-streaming GEMV loops, this
-project's 2-core EPYC, quiet) read at 19.5-20.0 GB/s as separately allocated tensors (what injection leaves: one
-``torch.cat`` per fused weight, allocated between the loader's temporaries) and at 24.5-25.9 GB/s as views into one
-buffer holding the same bytes, in either order and with or without gaps between them; a single large matrix read at
-28-31 GB/s. llama.cpp reads its weights from one mapping of the GGUF file. So after injection (and after the CPU
-packing of quantized weights) :func:`pack_into_arena` moves each layer weight into one buffer, in layer order.
+were allocated. SmolLM2-135M's 120 body matrices (fp32, 1 thread, compiled reduction loops, this project's 2-core
+EPYC, quiet) read at 19.8-20.0 GB/s as separately allocated tensors (what injection leaves: one ``torch.cat`` per
+fused weight, allocated between the loader's temporaries) and at 25.8-27.0 GB/s as views into one buffer holding the
+same bytes, in either order and with or without gaps between them; one large matrix (the LM head) read at 30.3-30.7.
+llama.cpp reads its weights from one mapping of the GGUF file. So after injection (and after the CPU packing of
+quantized weights) :func:`pack_into_arena` moves the layer weights and the head into one buffer, in layer order, with
+transparent huge pages requested for it: SmolLM2's decode step 21.6-21.9 against 24.3-26.1 ms (fp32) and 11.2-11.5
+against 12.1-12.5 ms (int8), 1 thread (docs/performance.md).
 
 The move is in place (``Tensor.set_``): the same parameter and buffer objects, now views of the arena, so every
-module, hook and cache that holds them sees the new storage. A tensor is moved only when it owns its storage alone
-(contiguous, starting at the storage's start, covering all of it, and no other tensor or view sharing it: the
-storage's use count); anything else keeps its memory, since a view of the old storage held elsewhere would silently
-stop seeing later in-place writes. ``save_pretrained`` clones disjoint views that share a storage (transformers does),
-so checkpoints are unchanged. ``HF_DSINFER_CPU_ARENA=0`` keeps the separate allocations.
+module, hook, optimizer and cache that holds them sees the new storage. A tensor is moved only when it owns its
+storage alone (contiguous, starting at the storage's start, covering all of it, and no other tensor or view sharing
+it: the storage's use count); anything else keeps its memory, since a view of the old storage held elsewhere would
+silently stop seeing later in-place writes. Old storages are freed as the move goes (huge pages make that possible:
+with 4 KiB pages the arena got the just-freed, scattered pages back and lost most of the gain), so peak memory stays
+near the model plus :data:`TRIM_EVERY`. ``save_pretrained`` clones disjoint views that share a storage (transformers
+does), so checkpoints are unchanged. ``HF_DSINFER_CPU_ARENA=0`` keeps the separate allocations.
 """
 
 from __future__ import annotations
@@ -33,8 +37,6 @@ ENV_VAR = "HF_DSINFER_CPU_ARENA"
 #: Byte alignment of each tensor in the arena (a cache line: the vectorized loops' loads start on one).
 ALIGN = 64
 _OFF = ("0", "false", "off", "no")
-
-
 #: Transparent huge page size: the arena starts on such a boundary and asks the kernel for huge pages.
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux's value (asm-generic/mman-common.h)
