@@ -93,9 +93,8 @@ def apply_inference_config(model: nn.Module, cfg: InferenceConfig) -> nn.Module:
     record = get_injection(model)
     if record is not None:  # CPU: the fused layers' and the head's weights in one allocation (decoding reads faster)
         from ..modules.weight_arena import pack_into_arena
-        from ..policies.injection import _drop_file_pages
 
-        pack_into_arena([*record.runtime.layers, *_head(model)], release=_drop_file_pages)
+        pack_into_arena([*record.runtime.layers, *_head(model)])
     # the fast generate loop (greedy/sampling), per instance: fused layers, or HF's modules on the generic path
     install_generate(model, cfg, record or get_generic(model))
     if is_tensor_parallel(model):

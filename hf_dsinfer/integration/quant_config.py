@@ -396,9 +396,9 @@ def drop_tensor_pages(t: torch.Tensor) -> None:
     """
     if t.device.type != "cpu":
         return
-    from ..policies.injection import _drop_file_pages
+    from ..modules.weight_arena import drop_file_pages
 
-    _drop_file_pages([(t.data_ptr(), t.numel() * t.element_size())])
+    drop_file_pages([(t.data_ptr(), t.numel() * t.element_size())])
 
 
 def quantize_on_load_op(quantizer: Any) -> Any:

@@ -18,6 +18,9 @@ silently stop seeing later in-place writes. Old storages are freed as the move g
 with 4 KiB pages the arena got the just-freed, scattered pages back and lost most of the gain), so peak memory stays
 near the model plus :data:`TRIM_EVERY`. ``save_pretrained`` clones disjoint views that share a storage (transformers
 does), so checkpoints are unchanged. ``HF_DSINFER_CPU_ARENA=0`` keeps the separate allocations.
+
+:func:`drop_file_pages` (the resident pages of memory-mapped checkpoint tensors a copy replaced) lives here too:
+injection and quantization at load call it for the weights they copy, the arena for the ones it moves.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -42,19 +45,63 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux's value (asm-generic/mman-common.h)
 
 
-def _advise_huge_pages(addr: int, length: int) -> bool:
-    """``madvise(MADV_HUGEPAGE)`` on ``[addr, addr + length)`` (Linux); False where it is not available or refused.
+_MADV_DONTNEED = 4
+_PAGE = 4096
 
-    Systems whose transparent huge pages are in ``madvise`` mode (a common default) give huge pages only to regions
-    that ask; ``always`` gives them anyway, ``never`` refuses (the arena then keeps 4 KiB pages)."""
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    """``madvise(addr, length, advice)`` (Linux); False where it is not available or refused."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _advise_huge_pages(addr: int, length: int) -> bool:
+    """``MADV_HUGEPAGE`` on ``[addr, addr + length)``. Systems whose transparent huge pages are in ``madvise`` mode (a
+    common default) give huge pages only to regions that ask; ``always`` gives them anyway, ``never`` refuses (the
+    arena then keeps 4 KiB pages)."""
+    return _madvise(addr, length, _MADV_HUGEPAGE)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed memory mappings (Linux), e.g. mmap-ed safetensors."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0":  # inode 0: anonymous memory
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+def drop_file_pages(spans: list[tuple[int, int]]) -> None:
+    """Tell the kernel the pages of released, file-backed tensors (``(address, bytes)`` spans) are no longer needed
+    (``MADV_DONTNEED``).
+
+    transformers maps safetensors files into memory, so HF parameters on CPU can be views of the file. Packing or
+    moving them reads them, which makes those pages resident; freeing the tensors does not unmap the file (other
+    weights still live in it), so without this the copy and the file pages would both count as resident memory. Only
+    whole pages strictly inside a released tensor and inside a file mapping are dropped; a later read would fault them
+    back in from the file, so no data can be lost.
+    """
+    if not spans or not sys.platform.startswith("linux"):
+        return
+    mappings = _file_mappings()
+    if not mappings:
+        return
+    for ptr, nbytes in spans:
+        lo, hi = -(-ptr // _PAGE) * _PAGE, (ptr + nbytes) // _PAGE * _PAGE  # inward to whole pages
+        if hi > lo and any(start <= lo and hi <= end for start, end in mappings):
+            _madvise(lo, hi - lo, _MADV_DONTNEED)
 
 
 #: Bytes moved between two ``malloc_trim`` calls: the move's peak memory stays within about this much of the model's.
@@ -103,17 +150,14 @@ def _movable(t: torch.Tensor, sole: int) -> bool:
     )  # fmt: skip
 
 
-def pack_into_arena(
-    modules: Iterable[nn.Module], release: Callable[[list[tuple[int, int]]], None] | None = None
-) -> int:
+def pack_into_arena(modules: Iterable[nn.Module]) -> int:
     """Move the CPU parameters and buffers of ``modules`` (e.g. the fused decoder layers, in order) into one new
     allocation, each at a :data:`ALIGN`-byte boundary, in the modules' order; in place. Returns the bytes moved
     (0 when switched off, on other devices, or where torch cannot tell that a tensor owns its storage alone).
 
-    ``release(spans)`` is called with the ``(address, bytes)`` of the memory the moved tensors left, every
-    :data:`TRIM_EVERY` bytes and at the end: for weights that were views of a memory-mapped checkpoint, freeing the
-    tensor does not unmap the file, so injection's ``_drop_file_pages`` gives those pages back (else the file's pages
-    and the arena would both stay resident: a 1.1B bf16 llama peaked at 1.36x the plain model's RSS)."""
+    Every :data:`TRIM_EVERY` bytes and at the end, the memory the moved tensors left is given back: the pages of
+    weights that were views of a memory-mapped checkpoint (:func:`drop_file_pages`; freeing the tensor does not unmap
+    the file) and glibc's freed heap (without both, a 1.1B bf16 llama peaked at 1.36x the plain model's RSS)."""
     if not enabled():
         return 0
     sole = _sole_owner_count()
@@ -154,8 +198,7 @@ def pack_into_arena(
             t.set_(storage, (base + offset) // t.element_size(), t.shape, view.stride())
             pending += nbytes
             if pending >= TRIM_EVERY or i == len(tensors) - 1:  # so the peak stays near one model plus this much
-                if release is not None:
-                    release(left)
+                drop_file_pages(left)
                 if trim is not None:
                     trim(0)  # freed blocks below glibc's mmap threshold stay resident until trimmed
                 left, pending = [], 0

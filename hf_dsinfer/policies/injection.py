@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +13,7 @@ from torch import nn
 from ..log import logger, warn_once
 from ..modules import LINEAR_WEIGHTS, FusedDecoderLayer, FusedNorm, StaticKVCache, gemm_layout, linear_layout
 from ..modules.quant_linear import QUANT_SUFFIXES, is_quantized_weight, pack_quantized, release_quantized
+from ..modules.weight_arena import drop_file_pages
 from .base import Policy, Source, as_source, find_policy, get_submodule_or_none
 from .runtime import Runtime
 from .tp_layout import TPLayout
@@ -92,43 +91,6 @@ def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
     raise RuntimeError("the decoder layer list is not a submodule of the model")
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process's file-backed memory mappings (Linux), e.g. mmap-ed safetensors."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 6 and fields[4] != "0":  # inode 0: anonymous memory
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((start, end))
-    except OSError:
-        return []
-    return ranges
-
-
-def _drop_file_pages(spans: list[tuple[int, int]]) -> None:
-    """Tell the kernel the pages of released, file-backed tensors are no longer needed (``MADV_DONTNEED``).
-
-    transformers maps safetensors files into memory, so HF parameters on CPU can be views of the file. Packing reads
-    them, which makes those pages resident; freeing the tensors does not unmap the file (other weights still live in
-    it), so without this the packed copy and the file pages would both count as resident memory. Only whole pages
-    strictly inside a released tensor and inside a file mapping are dropped; a later read would fault them back in
-    from the file, so no data can be lost.
-    """
-    if not spans or not sys.platform.startswith("linux"):
-        return
-    mappings = _file_mappings()
-    if not mappings:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = 4096
-    for ptr, nbytes in spans:
-        lo, hi = -(-ptr // page) * page, (ptr + nbytes) // page * page  # inward to whole pages
-        if hi > lo and any(start <= lo and hi <= end for start, end in mappings):
-            libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # 4 = MADV_DONTNEED
-
-
 def _release(layer: nn.Module, names: set[str]) -> None:
     """Free the storage of HF parameters that were copied into packed tensors (the HF layer is dropped anyway)."""
     _free([layer.get_parameter(name) for name in names])
@@ -143,7 +105,7 @@ def _free(params: list[nn.Parameter]) -> None:
             spans.append((storage.data_ptr(), storage.nbytes()))
             del storage
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    _drop_file_pages(spans)
+    drop_file_pages(spans)
 
 
 def relayout_output_embeddings(
