@@ -430,7 +430,8 @@ def test_serve_under_torchrun_rank0_serves_and_rank1_works(tmp_path):
     try:
         wait_healthy(root, procs)
         assert _children(procs[0].pid) == [], "under torchrun the server starts no worker of its own"
-        body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}).encode()
+        # ignore_eos: the request samples (temperature 1), and a sampled EOS would end it before 4 tokens
+        body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}).encode()
         req = urllib.request.Request(root + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 4
