@@ -182,27 +182,72 @@ def test_compiled_moe_step_runs_the_per_pair_op(name, tmp_path, compile_on, monk
 
 
 def test_compile_threads_setting(tmp_path, compile_on, monkeypatch):
-    """HF_DSINFER_COMPILE_THREADS gives the generated loops up to N threads (never more than torch's), "all" torch's
-    count; a bad value is refused naming the variable; the step compiled with it equals HF's greedy tokens."""
+    """The step is compiled for a thread count chosen at run time; HF_DSINFER_COMPILE_THREADS pins the count (never
+    above torch's), "auto" / unset lets the governor choose, a bad value is refused naming the variable; at 2 threads
+    the compiled step equals HF's greedy tokens, ran on both counts, and leaves torch's count as it was."""
     from hf_dsinfer.generation import compiled_cpu
+    from hf_dsinfer.generation.thread_governor import COMPILE_THREADS_ENV as env
+    from hf_dsinfer.generation.thread_governor import ThreadGovernor
 
-    env = compiled_cpu.COMPILE_THREADS_ENV
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.delenv(env, raising=False)
-        assert compiled_cpu.inductor_options()["cpp.threads"] == 1
+        assert compiled_cpu.inductor_options() == {"cpp.dynamic_threads": True}
         for value, want in (("all", 2), ("1", 1), ("8", 2)):
             monkeypatch.setenv(env, value)
-            assert compiled_cpu.inductor_options()["cpp.threads"] == want
+            with ThreadGovernor().step() as n:
+                assert n == want and torch.get_num_threads() == want
+            assert torch.get_num_threads() == 2
         for bad in ("0", "two"):
             monkeypatch.setenv(env, bad)
             with pytest.raises(ValueError, match=env):
                 compiled_cpu.inductor_options()
-        monkeypatch.setenv(env, "all")
+        monkeypatch.delenv(env)
         ref, opt = _load("llama", tmp_path)
         ids, mask = left_pad(prompts()[:1])
         assert torch.equal(_gen(opt, ids, mask, n=6), _gen(ref, ids, mask, n=6))
-        assert getattr(opt, GEN_ATTR).step.compiled.compile_s  # it ran compiled
+        compiled = getattr(opt, GEN_ATTR).step.compiled
+        assert compiled.compile_s  # it ran compiled
+        (governor,) = compiled.governors.values()
+        assert set(governor._avg) == {1, 2}  # both counts timed (after one untimed warm-up step each)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_thread_governor_follows_the_faster_count(monkeypatch):
+    """The governor runs torch's count while it is faster, tries one thread every EXPLORE_EVERY steps, moves to one
+    thread when the other becomes slower (a busy machine), and back when it is fast again."""
+    from hf_dsinfer.generation import thread_governor as tg
+
+    monkeypatch.delenv(tg.COMPILE_THREADS_ENV, raising=False)
+    cost = {1: 13.0, 2: 9.0}  # ms per step at each count: a quiet machine
+    now = [0.0]
+    gov = tg.ThreadGovernor(clock=lambda: now[0])
+
+    def run(steps: int) -> list[int]:
+        used = []
+        for _ in range(steps):
+            with gov.step() as n:
+                now[0] += cost[n] / 1e3
+            used.append(n)
+        return used
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        used = run(4 + 2 * tg.EXPLORE_EVERY)
+        assert used[:4] == [2, 2, 1, 1]  # each count: an untimed warm-up step, then a timed one
+        assert used[4:].count(1) == 2 and used[4:].count(2) == 2 * tg.EXPLORE_EVERY - 2  # one try per EXPLORE_EVERY
+        cost[2] = 25.0  # another process takes a core: the two-thread step stalls at its barriers
+        used = run(3 * tg.EXPLORE_EVERY)
+        assert used[-tg.EXPLORE_EVERY :].count(1) >= tg.EXPLORE_EVERY - 1  # one thread, but for its try of 2
+        cost[2] = 9.0  # quiet again
+        used = run(3 * tg.EXPLORE_EVERY)
+        assert used[-tg.EXPLORE_EVERY :].count(2) >= tg.EXPLORE_EVERY - 1
+        assert torch.get_num_threads() == 2  # restored after every step
+        torch.set_num_threads(1)  # the caller's count is 1: nothing to choose
+        assert set(run(5)) == {1}
     finally:
         torch.set_num_threads(before)

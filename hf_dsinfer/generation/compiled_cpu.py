@@ -53,6 +53,7 @@ from ..log import logger
 from ..modules import cpu_packed
 from .compile_gate import GATE
 from .graph_runner import GraphRunner, StaticInput
+from .thread_governor import ThreadGovernor, pinned_threads
 
 if TYPE_CHECKING:
     from .decode import DecodeStep
@@ -169,34 +170,19 @@ class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry 
     """Raised instead of running the graph when compiled code is called only to compile it (a dry run)."""
 
 
-#: inductor settings of the compiled step. ``cpp.threads=1``: the generated C++ loops (norms, rotary, activations,
-#: softmax: a few thousand elements per decode step) run on one thread instead of opening an OpenMP parallel region of
-#: torch's thread count each; the GEMMs (extern calls to MKL / oneDNN) keep torch's threads. Every region ends in a
-#: barrier where all threads wait for the slowest, so with other processes on the cores a decode step of hundreds
-#: of regions stalled for whole scheduler time slices: 0.4-0.8 tok/s against HF eager's 0.9-1.6 in the same run, and
-#: 2.0-2.9 with one-thread loops (docs/generation.md has the runs). Part of the compile cache's key.
-INDUCTOR_OPTIONS = {"cpp.threads": 1}
-#: ``HF_DSINFER_COMPILE_THREADS=N`` (or ``all``: torch's thread count when the bucket's compile starts) gives the
-#: generated loops up to N threads instead, for a quiet machine: the decode GEMV loops then split their weight rows
-#: over the threads. Measured on SmolLM2 int4 (2 cores, 2 threads, load ~1.1, per compiled step): 13.3 / 12.8 ms with
-#: 2 against 18.1 / 18.4 ms with 1 (a loaded figure; the default stays 1 until a quiet comparison under contention).
-COMPILE_THREADS_ENV = "HF_DSINFER_COMPILE_THREADS"
+#: inductor settings of the compiled step. ``cpp.dynamic_threads``: the generated C++ loops (the decode GEMVs, norms,
+#: rotary, attention) size their OpenMP team from the thread count at call time instead of one fixed at compile time,
+#: so one compiled graph runs on one thread or on torch's count, whichever :class:`~.thread_governor.ThreadGovernor`
+#: picks per step (fixed one-thread loops, the earlier default, left a second core idle on a quiet machine; fixed
+#: N-thread loops stalled at every barrier on a busy one). Part of the compile cache's key.
+INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
 
 
-def inductor_options() -> dict[str, int]:
-    """:data:`INDUCTOR_OPTIONS` with :data:`COMPILE_THREADS_ENV` applied (read in the caller's thread)."""
-    value = os.environ.get(COMPILE_THREADS_ENV, "").strip().lower()
-    if not value:
-        return dict(INDUCTOR_OPTIONS)
-    threads = torch.get_num_threads()
-    try:
-        wanted = threads if value == "all" else int(value)
-    except ValueError:
-        wanted = 0
-    if wanted < 1:
-        raise ValueError(f"{COMPILE_THREADS_ENV} must be a thread count (1 or more) or 'all', got {value!r}; unset it "
-                         "for one thread per generated loop (the default)")  # fmt: skip
-    return {**INDUCTOR_OPTIONS, "cpp.threads": min(wanted, threads)}
+def inductor_options() -> dict[str, bool]:
+    """:data:`INDUCTOR_OPTIONS`, after checking :data:`~.thread_governor.COMPILE_THREADS_ENV` (a bad value is the
+    caller's error, raised in the caller's thread before anything compiles)."""
+    pinned_threads()
+    return dict(INDUCTOR_OPTIONS)
 
 
 def _inductor_with_dry_run(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> object:
@@ -258,6 +244,7 @@ class CompiledCPUDecode:
         self.eager_while_compiling = 0  # steps run eagerly because their bucket was still compiling
         self._pending: dict[int, threading.Thread] = {}  # bucket -> its background compile
         self._nice = 0  # the nice value of the last background compile started
+        self.governors: dict[int, ThreadGovernor] = {}  # bucket -> the thread count its compiled steps run on
 
     def applies(self, input_ids: torch.Tensor) -> bool:
         """Whether this call runs compiled: CPU, torch kernels, not switched off, compiling has not failed."""
@@ -436,7 +423,8 @@ class CompiledCPUDecode:
                 if self.failed:
                     return self.step.eager(input_ids, positions)
         try:
-            return runner(input_ids=input_ids, positions=positions)
+            with self.governors.setdefault(bucket, ThreadGovernor()).step():
+                return runner(input_ids=input_ids, positions=positions)
         except Exception as e:  # noqa: BLE001 - any compiler failure: eager torch computes the same step
             if bucket in self.compile_s:
                 raise  # a bucket that already ran compiled: a real error, not a compiler failure
