@@ -84,3 +84,19 @@ def test_profile_decode_lists_the_gemms(tmp_path):
     mm = [o for name, o in ops.items() if name in ("aten::mm", "aten::addmm", "aten::linear")]
     assert mm and all(o["calls"] >= 1 for o in mm)  # per decode step: the layers' GEMMs at least once each
     assert sorted((o["self_ms"] for o in res["ops"]), reverse=True) == [o["self_ms"] for o in res["ops"]]
+
+
+def test_llamacpp_process_reports_failures_and_closes(tmp_path):
+    """The child process that hosts llama.cpp answers a request it cannot serve (no xllamacpp, or no such GGUF) with
+    an error naming the cause, stays usable for the next request, and closes."""
+    from hf_dsinfer.bench.llamacpp_worker import LlamaCppProcess
+
+    proc = LlamaCppProcess(str(tmp_path / "missing.gguf"), 64)
+    try:
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="llama.cpp"):
+                proc.completions(1, {"prompt": [1, 2], "n_predict": 2})
+        assert proc._proc is not None and proc._proc.is_alive()
+    finally:
+        proc.close()
+    assert proc._proc is None

@@ -1,7 +1,8 @@
 """``hf-dsinfer bench --preset smollm2-real --peer llamacpp``: llama.cpp beside hf_dsinfer on the same weights.
 
-What a CPU user compares us with is llama.cpp. This benchmark runs both in one process on SmolLM2-135M-Instruct's
-trained weights, batch 1, greedy, and pairs each weight format with its llama.cpp counterpart:
+What a CPU user compares us with is llama.cpp. This benchmark runs both on SmolLM2-135M-Instruct's trained weights,
+batch 1, greedy, and pairs each weight format with its llama.cpp counterpart (llama.cpp in a child process, ours in
+this one: in one process the two share an OpenMP runtime, which slowed our threads, :mod:`.llamacpp_worker`):
 
 * **fp32** with a GGUF of F32 tensors, **int8** (per channel, LM head included) with Q8_0 (blocks of 32, fp16
   scale; every matrix, the tied embedding / head too), **int4** (groups of 32, float zero: Q4_1's own grid) with
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from ..log import logger
+from .llamacpp_worker import LlamaCppProcess
 from .report import error_text
 
 #: our format -> (llama.cpp GGUF type name, our quant section or None for fp32)
@@ -204,28 +206,18 @@ class Timing:
 
 
 class LlamaCpp:
-    """One llama.cpp contender (a GGUF file) with one in-process server per thread count (threads are fixed at load)."""
+    """One llama.cpp contender (a GGUF file), served by a child process (:mod:`.llamacpp_worker`: one OpenMP runtime
+    per engine) with one server per thread count (threads are fixed at load)."""
 
     def __init__(self, gguf_path: Path, max_len: int) -> None:
-        self.path, self.max_len, self._servers = gguf_path, max_len, {}
-
-    def _server(self, threads: int):
-        if threads not in self._servers:
-            import xllamacpp
-
-            p = xllamacpp.CommonParams()
-            p.model.path = str(self.path)
-            p.n_ctx, p.n_parallel, p.n_batch = self.max_len, 1, self.max_len
-            p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
-            p.verbosity = 0
-            self._servers[threads] = xllamacpp.Server(p)  # listens on 127.0.0.1 only, a free port
-        return self._servers[threads]
+        self.path, self.max_len = gguf_path, max_len
+        self._process = LlamaCppProcess(str(gguf_path), max_len)
 
     def run(self, ids: list[int], new_tokens: int, threads: int) -> Timing:
         """Greedy, EOS ignored, prompt not cached between runs: llama.cpp's own prompt / decode timings."""
         req = {"prompt": ids, "n_predict": new_tokens, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
                "samplers": ["top_k"], "cache_prompt": False, "stream": False}  # fmt: skip
-        out = self._server(threads).handle_completions(req)
+        out = self._process.completions(threads, req)
         if "error" in out:
             raise RuntimeError(f"llama.cpp: {out['error']}")
         t = out["timings"]
@@ -236,7 +228,7 @@ class LlamaCpp:
         return Timing(t["prompt_ms"], t["predicted_ms"], new_tokens - 1, out["choices"][0]["text"])
 
     def close(self) -> None:
-        self._servers.clear()
+        self._process.close()
 
 
 class Ours:
