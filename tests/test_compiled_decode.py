@@ -182,22 +182,25 @@ def test_compiled_moe_step_runs_the_per_pair_op(name, tmp_path, compile_on, monk
 
 
 def test_compile_threads_setting(tmp_path, compile_on, monkeypatch):
-    """The step is compiled for a thread count chosen at run time; HF_DSINFER_COMPILE_THREADS pins the count (never
-    above torch's), "auto" / unset lets the governor choose, a bad value is refused naming the variable; at 2 threads
-    the compiled step equals HF's greedy tokens, ran on both counts, and leaves torch's count as it was."""
+    """Each bucket compiles a one-thread variant and, after it, one with a team of torch's thread count;
+    HF_DSINFER_COMPILE_THREADS pins the choice (1: no team variant; N: a team of at most torch's count), "auto" /
+    unset lets the governor choose, a bad value is refused naming the variable. At 2 threads both variants run, give
+    HF's greedy tokens, and torch's count is left as it was."""
     from hf_dsinfer.generation import compiled_cpu
     from hf_dsinfer.generation.thread_governor import COMPILE_THREADS_ENV as env
-    from hf_dsinfer.generation.thread_governor import ThreadGovernor
+    from hf_dsinfer.generation.thread_governor import ThreadGovernor, team_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         monkeypatch.delenv(env, raising=False)
-        assert compiled_cpu.inductor_options() == {"cpp.dynamic_threads": True}
-        for value, want in (("all", 2), ("1", 1), ("8", 2)):
+        assert compiled_cpu.inductor_options() == {"cpp.threads": 1}
+        assert team_threads() == 2
+        for value, team, ran in (("all", 2, 2), ("1", 1, 1), ("8", 2, 2)):
             monkeypatch.setenv(env, value)
-            with ThreadGovernor().step() as n:
-                assert n == want and torch.get_num_threads() == want
+            assert team_threads() == team
+            with ThreadGovernor().step(2) as n:
+                assert n == ran and torch.get_num_threads() == ran
             assert torch.get_num_threads() == 2
         for bad in ("0", "two"):
             monkeypatch.setenv(env, bad)
@@ -206,11 +209,11 @@ def test_compile_threads_setting(tmp_path, compile_on, monkeypatch):
         monkeypatch.delenv(env)
         ref, opt = _load("llama", tmp_path)
         ids, mask = left_pad(prompts()[:1])
-        assert torch.equal(_gen(opt, ids, mask, n=6), _gen(ref, ids, mask, n=6))
+        assert torch.equal(_gen(opt, ids, mask, n=8), _gen(ref, ids, mask, n=8))
         compiled = getattr(opt, GEN_ATTR).step.compiled
-        assert compiled.compile_s  # it ran compiled
+        assert list(compiled.compile_s) == [1] and list(compiled.team_compile_s) == [(1, 2)]  # both variants compiled
         (governor,) = compiled.governors.values()
-        assert set(governor._avg) == {1, 2}  # both counts timed (after one untimed warm-up step each)
+        assert set(governor._avg) == {1, 2}  # both ran and were timed (after one untimed warm-up step each)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -226,10 +229,10 @@ def test_thread_governor_follows_the_faster_count(monkeypatch):
     now = [0.0]
     gov = tg.ThreadGovernor(clock=lambda: now[0])
 
-    def run(steps: int) -> list[int]:
+    def run(steps: int, team: int | None = 2) -> list[int]:
         used = []
         for _ in range(steps):
-            with gov.step() as n:
+            with gov.step(team) as n:
                 now[0] += cost[n] / 1e3
             used.append(n)
         return used
@@ -247,7 +250,6 @@ def test_thread_governor_follows_the_faster_count(monkeypatch):
         used = run(3 * tg.EXPLORE_EVERY)
         assert used[-tg.EXPLORE_EVERY :].count(2) >= tg.EXPLORE_EVERY - 1
         assert torch.get_num_threads() == 2  # restored after every step
-        torch.set_num_threads(1)  # the caller's count is 1: nothing to choose
-        assert set(run(5)) == {1}
+        assert set(run(5, team=None)) == {1}  # no team variant (yet, or at all): one thread
     finally:
         torch.set_num_threads(before)

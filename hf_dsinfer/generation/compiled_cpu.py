@@ -53,7 +53,7 @@ from ..log import logger
 from ..modules import cpu_packed
 from .compile_gate import GATE
 from .graph_runner import GraphRunner, StaticInput
-from .thread_governor import ThreadGovernor, pinned_threads
+from .thread_governor import ThreadGovernor, pinned_threads, team_threads
 
 if TYPE_CHECKING:
     from .decode import DecodeStep
@@ -170,15 +170,17 @@ class CompileOnly(Exception):  # noqa: N818 - not an error: the signal of a dry 
     """Raised instead of running the graph when compiled code is called only to compile it (a dry run)."""
 
 
-#: inductor settings of the compiled step. ``cpp.dynamic_threads``: the generated C++ loops (the decode GEMVs, norms,
-#: rotary, attention) size their OpenMP team from the thread count at call time instead of one fixed at compile time,
-#: so one compiled graph runs on one thread or on torch's count, whichever :class:`~.thread_governor.ThreadGovernor`
-#: picks per step (fixed one-thread loops, the earlier default, left a second core idle on a quiet machine; fixed
-#: N-thread loops stalled at every barrier on a busy one). Part of the compile cache's key.
-INDUCTOR_OPTIONS = {"cpp.dynamic_threads": True}
+#: inductor settings of the compiled step. ``cpp.threads=1``: the generated C++ loops (norms, rotary, attention, the
+#: decode GEMVs) run on one thread instead of opening an OpenMP parallel region of torch's thread count each. Every
+#: region ends in a barrier, so with other processes on the cores a step of hundreds of regions stalled for whole
+#: scheduler time slices: 0.4-0.8 tok/s against HF eager's 0.9-1.6 in the same run, and 2.0-2.9 with one-thread loops
+#: (docs/generation.md has the runs). A second variant with a team of torch's thread count (``cpp.threads=N``) is
+#: compiled after it, and a :class:`~.thread_governor.ThreadGovernor` picks between the two per step. Part of the
+#: compile cache's key.
+INDUCTOR_OPTIONS = {"cpp.threads": 1}
 
 
-def inductor_options() -> dict[str, bool]:
+def inductor_options() -> dict[str, int]:
     """:data:`INDUCTOR_OPTIONS`, after checking :data:`~.thread_governor.COMPILE_THREADS_ENV` (a bad value is the
     caller's error, raised in the caller's thread before anything compiles)."""
     pinned_threads()
@@ -245,6 +247,11 @@ class CompiledCPUDecode:
         self._pending: dict[int, threading.Thread] = {}  # bucket -> its background compile
         self._nice = 0  # the nice value of the last background compile started
         self.governors: dict[int, ThreadGovernor] = {}  # bucket -> the thread count its compiled steps run on
+        self._teams: dict[int, object] = {}  # team size -> the torch.compile wrapper of loops on that many threads
+        self.team_compile_s: dict[tuple[int, int], float] = {}  # (bucket, team) -> seconds its compile took
+        self._team_failed = False  # a team variant failed to compile: one-thread loops only from then on
+        self._team_pending: dict[tuple[int, int], threading.Thread] = {}  # background team compiles
+        self._variant = 1  # the variant the runner's next call runs (1, or a team size)
 
     def applies(self, input_ids: torch.Tensor) -> bool:
         """Whether this call runs compiled: CPU, torch kernels, not switched off, compiling has not failed."""
@@ -257,13 +264,13 @@ class CompiledCPUDecode:
 
     @property
     def pending(self) -> bool:
-        """Whether a background compile is running."""
-        return any(t.is_alive() for t in self._pending.values())
+        """Whether a background compile (of a bucket, or of a bucket's team variant) is running."""
+        return any(t.is_alive() for t in [*self._pending.values(), *self._team_pending.values()])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles started so far; returns False if one is still running at ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in list(self._pending.values()):
+        for thread in [*self._pending.values(), *self._team_pending.values()]:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self.pending
 
@@ -284,7 +291,8 @@ class CompiledCPUDecode:
         bucket = input_ids.shape[0]
         self.step.start_offsets(bucket, input_ids.device)  # allocate outside the graph (no guard on a first call)
         if bucket in self.compile_s:
-            return self._compiled(input_ids, positions, slots)
+            compiled = self._teams[self._variant] if self._variant > 1 else self._compiled
+            return compiled(input_ids, positions, slots)
         self._notice(bucket, background=False)
         t0 = time.perf_counter()
         self._make_compiled()
@@ -329,24 +337,90 @@ class CompiledCPUDecode:
                 return
             # A private copy of the traced function per model: dynamo caches compiled variants (and counts them
             # against its recompile limit) per code object, so models must not share one.
-            traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
             # The decode GEMVs' activation barriers (120 in SmolLM2's step) become buffers of the generated code
             # instead of calls back into Python (kernels/quant_cpu.lower_materialize).
             lower_materialize()
-            backend = functools.partial(_inductor_with_dry_run, options=self.compile_options)
-            self._compiled = torch.compile(
-                types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False
-            )
+            self._compiled = self._wrapper(self.compile_options)
+
+    def _wrapper(self, options: dict) -> object:
+        """A ``torch.compile`` wrapper of the step with these inductor settings, on its own copy of the function
+        (dynamo caches compiled variants per code object)."""
+        traced = types.FunctionType(_traced_step.__code__.replace(), _traced_step.__globals__, "decode_step")
+        backend = functools.partial(_inductor_with_dry_run, options=options)
+        return torch.compile(types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False)
+
+    def _compile_team(self, bucket: int, team: int, args: tuple) -> None:
+        """Compile ``bucket``'s variant with loops on ``team`` threads by a dry run in this thread (after its one-thread
+        variant); a failure leaves every bucket on one-thread loops, with one warning."""
+        if self._team_failed or (bucket, team) in self.team_compile_s:
+            return
+        t0 = time.perf_counter()
+        was = getattr(_DRY_RUN, "on", False)
+        _DRY_RUN.on = True
+        try:
+            with self._make_lock:
+                if team not in self._teams:
+                    self._teams[team] = self._wrapper({**self.compile_options, "cpp.threads": team})
+            with warnings.catch_warnings():
+                _quiet_lru_cache_warning()
+                self._teams[team](*args)
+            raise RuntimeError("the compiled step ran during a dry run")
+        except CompileOnly:
+            self.team_compile_s[(bucket, team)] = time.perf_counter() - t0  # published last: the variant can run
+            logger.info("hf_dsinfer: compiled the %d-thread variant of the CPU %s for batch %d in %.1f s", team,
+                        self._what, bucket, self.team_compile_s[(bucket, team)])  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the one-thread variant computes the same step
+            self._team_failed = True
+            logger.warning("hf_dsinfer: compiling the %d-thread variant of the CPU %s failed (%s: %s); its steps run "
+                           "on one thread", team, self._what, type(e).__name__,
+                           str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
+        finally:
+            _DRY_RUN.on = was
+
+    def _dry_args(self, bucket: int) -> tuple:
+        """The arguments a compiled call of ``bucket`` gets: views of the runner's static buffers (metadata only) and
+        an attended length of at least 2 (0 and 1 would specialize)."""
+        views = self._ensure_runner()._views(bucket)
+        length = min(max(self.step.cache.padded_len + self.tokens, 2), self.step.cache.max_tokens)
+        self.step.start_offsets(bucket, views["input_ids"].device)  # allocated here, not under the eager steps
+        return views["input_ids"], views["positions"], self._slots_for(length)
+
+    def _team_for(self, bucket: int) -> int | None:
+        """The team size a step of ``bucket`` may run on now (None: one-thread loops only). A team variant not yet
+        compiled is compiled here (synchronous compiles) or started in the background."""
+        team = team_threads()
+        if team <= 1 or self._team_failed:
+            return None
+        if (bucket, team) in self.team_compile_s:
+            return team
+        if os.environ.get(ENV_VAR, "1").strip().lower() == "sync":
+            self._compile_team(bucket, team, self._dry_args(bucket))
+            return team if (bucket, team) in self.team_compile_s else None
+        key = (bucket, team)
+        if key not in self._team_pending and not self.pending:  # one background compile at a time
+            grad, nice = torch.is_grad_enabled(), compile_nice()
+            args = self._dry_args(bucket)
+            thread = threading.Thread(target=self._compile_team_background, args=(bucket, team, args, grad, nice),
+                                      name=f"hf_dsinfer-compile-{bucket}x{team}", daemon=True)  # fmt: skip
+            self._team_pending[key] = thread
+            _BACKGROUND.add(thread)
+            thread.start()
+        return None
+
+    def _compile_team_background(self, bucket: int, team: int, args: tuple, grad: bool, nice: int) -> None:
+        _lower_priority(nice)
+        try:
+            parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
+            with parked, torch.set_grad_enabled(grad):
+                self._compile_team(bucket, team, args)
+        finally:
+            _BACKGROUND.discard(threading.current_thread())
 
     def _start_background(self, bucket: int) -> None:
         """Compile ``bucket`` in a daemon thread (once); the caller runs this step eagerly."""
         if bucket in self._pending:
             return
-        runner = self._ensure_runner()
-        views = runner._views(bucket)  # the static buffers the compiled calls will get (metadata only: never run)
-        length = min(max(self.step.cache.padded_len + self.tokens, 2), self.step.cache.max_tokens)  # 2+: no 0/1
-        self.step.start_offsets(bucket, views["input_ids"].device)  # allocated here, not under the eager steps
-        args = (views["input_ids"], views["positions"], self._slots_for(length))
+        args = self._dry_args(bucket)
         grad = torch.is_grad_enabled()  # grad mode is per thread and guarded: compile under the caller's
         nice = self._nice = compile_nice()  # read here: a bad value is the caller's error, not a failed compile
         self._notice(bucket, background=True)
@@ -366,10 +440,12 @@ class CompiledCPUDecode:
             with parked, torch.set_grad_enabled(grad), warnings.catch_warnings():
                 _quiet_lru_cache_warning()
                 self._make_compiled()
-                self._compiled(*args)
-            raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised CompileOnly
-        except CompileOnly:
-            self._done(bucket, time.perf_counter() - t0)
+                try:
+                    self._compiled(*args)
+                except CompileOnly:
+                    self._done(bucket, time.perf_counter() - t0)
+                else:
+                    raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step computes the same
             self._fail(e)
         finally:
@@ -423,7 +499,8 @@ class CompiledCPUDecode:
                 if self.failed:
                     return self.step.eager(input_ids, positions)
         try:
-            with self.governors.setdefault(bucket, ThreadGovernor()).step():
+            team = self._team_for(bucket) if bucket in self.compile_s else None
+            with self.governors.setdefault(bucket, ThreadGovernor()).step(team) as self._variant:
                 return runner(input_ids=input_ids, positions=positions)
         except Exception as e:  # noqa: BLE001 - any compiler failure: eager torch computes the same step
             if bucket in self.compile_s:
