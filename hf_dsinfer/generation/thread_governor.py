@@ -2,9 +2,9 @@
 
 A decode step of a small model is a few hundred short parallel regions (one per generated loop, a few microseconds to
 a millisecond each), and every region ends in a barrier. On cores the process has to itself, splitting each loop over
-the threads pays: SmolLM2's int4 step at 2 threads took 8.5-10.3 ms against 12.9-13.3 ms on one. When another
+the threads pays: SmolLM2's int4 step at 2 threads took 9.2-9.9 ms against 13.2-13.6 ms on one. When another
 process holds a core, a thread that lost its core stalls every barrier for a scheduler time slice: the same step
-took 23-27 ms against 12.8-13.1 ms on one thread (docs/generation.md has the runs). Neither choice is right
+took 28.7-30.6 ms against 13.5-13.6 ms on one thread (docs/generation.md has the runs). Neither choice is right
 everywhere, and the machine's state changes while a process runs.
 
 So each batch bucket is compiled twice (:class:`~.compiled_cpu.CompiledCPUDecode`): generated loops on one thread, and
