@@ -211,13 +211,13 @@ class LlamaCpp:
 
     def __init__(self, gguf_path: Path, max_len: int) -> None:
         self.path, self.max_len = gguf_path, max_len
-        self._process = LlamaCppProcess(str(gguf_path), max_len)
+        self._worker = LlamaCppProcess(str(gguf_path), max_len)
 
     def run(self, ids: list[int], new_tokens: int, threads: int) -> Timing:
         """Greedy, EOS ignored, prompt not cached between runs: llama.cpp's own prompt / decode timings."""
         req = {"prompt": ids, "n_predict": new_tokens, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
                "samplers": ["top_k"], "cache_prompt": False, "stream": False}  # fmt: skip
-        out = self._process.completions(threads, req)
+        out = self._worker.completions(threads, req)
         if "error" in out:
             raise RuntimeError(f"llama.cpp: {out['error']}")
         t = out["timings"]
@@ -228,7 +228,7 @@ class LlamaCpp:
         return Timing(t["prompt_ms"], t["predicted_ms"], new_tokens - 1, out["choices"][0]["text"])
 
     def close(self) -> None:
-        self._process.close()
+        self._worker.close()
 
 
 class Ours:
