@@ -42,6 +42,7 @@ import threading
 import time
 import types
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -349,33 +350,61 @@ class CompiledCPUDecode:
         backend = functools.partial(_inductor_with_dry_run, options=options)
         return torch.compile(types.MethodType(traced, self.step), backend=backend, fullgraph=True, dynamic=False)
 
+    @staticmethod
+    def _dry_compile(compiled: object, args: tuple) -> None:
+        """Compile ``compiled`` for ``args`` in this thread without running the graph (the backend raises
+        :class:`CompileOnly` before it would); a compiler error propagates."""
+        was = getattr(_DRY_RUN, "on", False)
+        _DRY_RUN.on = True
+        try:
+            with warnings.catch_warnings():
+                _quiet_lru_cache_warning()
+                compiled(*args)
+        except CompileOnly:
+            return
+        finally:
+            _DRY_RUN.on = was
+        raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised CompileOnly
+
+    def _in_background(self, work: Callable[[], None], name: str, nice: int) -> threading.Thread:
+        """Run ``work`` in a daemon thread at nice ``nice``, parked while decode steps run, under the caller's grad
+        mode (per thread and guarded: compile under the caller's); started and returned."""
+        grad = torch.is_grad_enabled()
+
+        def run() -> None:
+            _lower_priority(nice)
+            try:
+                parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
+                with parked, torch.set_grad_enabled(grad):
+                    work()
+            finally:
+                _BACKGROUND.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        _BACKGROUND.add(thread)
+        thread.start()
+        return thread
+
     def _compile_team(self, bucket: int, team: int, args: tuple) -> None:
         """Compile ``bucket``'s variant with loops on ``team`` threads by a dry run in this thread (after its one-thread
         variant); a failure leaves every bucket on one-thread loops, with one warning."""
         if self._team_failed or (bucket, team) in self.team_compile_s:
             return
         t0 = time.perf_counter()
-        was = getattr(_DRY_RUN, "on", False)
-        _DRY_RUN.on = True
         try:
             with self._make_lock:
                 if team not in self._teams:
                     self._teams[team] = self._wrapper({**self.compile_options, "cpp.threads": team})
-            with warnings.catch_warnings():
-                _quiet_lru_cache_warning()
-                self._teams[team](*args)
-            raise RuntimeError("the compiled step ran during a dry run")
-        except CompileOnly:
-            self.team_compile_s[(bucket, team)] = time.perf_counter() - t0  # published last: the variant can run
-            logger.info("hf_dsinfer: compiled the %d-thread variant of the CPU %s for batch %d in %.1f s", team,
-                        self._what, bucket, self.team_compile_s[(bucket, team)])  # fmt: skip
+            self._dry_compile(self._teams[team], args)
         except Exception as e:  # noqa: BLE001 - the one-thread variant computes the same step
             self._team_failed = True
             logger.warning("hf_dsinfer: compiling the %d-thread variant of the CPU %s failed (%s: %s); its steps run "
                            "on one thread", team, self._what, type(e).__name__,
                            str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
-        finally:
-            _DRY_RUN.on = was
+            return
+        self.team_compile_s[(bucket, team)] = time.perf_counter() - t0  # published last: the variant can run
+        logger.info("hf_dsinfer: compiled the %d-thread variant of the CPU %s for batch %d in %.1f s", team,
+                    self._what, bucket, self.team_compile_s[(bucket, team)])  # fmt: skip
 
     def _dry_args(self, bucket: int) -> tuple:
         """The arguments a compiled call of ``bucket`` gets: views of the runner's static buffers (metadata only) and
@@ -389,68 +418,40 @@ class CompiledCPUDecode:
         """The team size a step of ``bucket`` may run on now (None: one-thread loops only). A team variant not yet
         compiled is compiled here (synchronous compiles) or started in the background."""
         team = team_threads()
+        key = (bucket, team)
         if team <= 1 or self._team_failed:
             return None
-        if (bucket, team) in self.team_compile_s:
+        if key in self.team_compile_s:
             return team
         if os.environ.get(ENV_VAR, "1").strip().lower() == "sync":
             self._compile_team(bucket, team, self._dry_args(bucket))
-            return team if (bucket, team) in self.team_compile_s else None
-        key = (bucket, team)
+            return team if key in self.team_compile_s else None
         if key not in self._team_pending and not self.pending:  # one background compile at a time
-            grad, nice = torch.is_grad_enabled(), compile_nice()
             args = self._dry_args(bucket)
-            thread = threading.Thread(target=self._compile_team_background, args=(bucket, team, args, grad, nice),
-                                      name=f"hf_dsinfer-compile-{bucket}x{team}", daemon=True)  # fmt: skip
-            self._team_pending[key] = thread
-            _BACKGROUND.add(thread)
-            thread.start()
+            self._team_pending[key] = self._in_background(lambda: self._compile_team(bucket, team, args),
+                                                          f"hf_dsinfer-compile-{bucket}x{team}", compile_nice())
         return None
-
-    def _compile_team_background(self, bucket: int, team: int, args: tuple, grad: bool, nice: int) -> None:
-        _lower_priority(nice)
-        try:
-            parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
-            with parked, torch.set_grad_enabled(grad):
-                self._compile_team(bucket, team, args)
-        finally:
-            _BACKGROUND.discard(threading.current_thread())
 
     def _start_background(self, bucket: int) -> None:
         """Compile ``bucket`` in a daemon thread (once); the caller runs this step eagerly."""
         if bucket in self._pending:
             return
         args = self._dry_args(bucket)
-        grad = torch.is_grad_enabled()  # grad mode is per thread and guarded: compile under the caller's
         nice = self._nice = compile_nice()  # read here: a bad value is the caller's error, not a failed compile
         self._notice(bucket, background=True)
-        thread = threading.Thread(
-            target=self._compile_dry, args=(bucket, args, grad, nice), name=f"hf_dsinfer-compile-{bucket}", daemon=True
-        )
-        self._pending[bucket] = thread
-        _BACKGROUND.add(thread)
-        thread.start()
+        self._pending[bucket] = self._in_background(lambda: self._compile_base(bucket, args),
+                                                    f"hf_dsinfer-compile-{bucket}", nice)
 
-    def _compile_dry(self, bucket: int, args: tuple, grad: bool, nice: int) -> None:
+    def _compile_base(self, bucket: int, args: tuple) -> None:
+        """The background compile of ``bucket``'s one-thread variant; a failure sends every step to eager torch."""
         t0 = time.perf_counter()
-        _lower_priority(nice)
-        _DRY_RUN.on = True
         try:
-            parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
-            with parked, torch.set_grad_enabled(grad), warnings.catch_warnings():
-                _quiet_lru_cache_warning()
-                self._make_compiled()
-                try:
-                    self._compiled(*args)
-                except CompileOnly:
-                    self._done(bucket, time.perf_counter() - t0)
-                else:
-                    raise RuntimeError("the compiled step ran during a dry run")  # the backend must have raised
+            self._make_compiled()
+            self._dry_compile(self._compiled, args)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step computes the same
             self._fail(e)
-        finally:
-            _DRY_RUN.on = False
-            _BACKGROUND.discard(threading.current_thread())
+            return
+        self._done(bucket, time.perf_counter() - t0)
 
     def _eager_until_it_pays(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``cpu_compile="auto"``: an eager step, timed; the bucket's compile starts once they add up to
