@@ -210,7 +210,6 @@ class LlamaCpp:
     per engine) with one server per thread count (threads are fixed at load)."""
 
     def __init__(self, gguf_path: Path, max_len: int) -> None:
-        self.path, self.max_len = gguf_path, max_len
         self._worker = LlamaCppProcess(str(gguf_path), max_len)
 
     def run(self, ids: list[int], new_tokens: int, threads: int) -> Timing:

@@ -70,12 +70,11 @@ class ThreadGovernor:
     """Chooses, per step of one batch bucket, between the one-thread variant and the team variant.
 
     :meth:`step` is a context manager around one call of the compiled step; it yields the variant's thread count (1,
-    or ``team``) and times the call. ``current`` is the count the last step ran on.
+    or ``team``) and times the call.
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock  # seconds; a test passes a fake one
-        self.current = 1
         self._avg: dict[int, float] = {}  # thread count -> running average of its step seconds
         self._warm: set[int] = set()  # counts that ran once (a first run starts the thread team: not timed)
         self._team = 0  # the team the averages were taken with (a change starts over)
@@ -115,7 +114,7 @@ class ThreadGovernor:
         """Run the enclosed step on the chosen variant: yields 1 or ``team`` (None or 1: no team variant ready). On 1,
         torch's thread count is 1 inside the block; its time feeds the next choices."""
         pinned = pinned_threads()
-        n = self.current = self._choose(team, pinned)
+        n = self._choose(team, pinned)
         top = torch.get_num_threads()
         lower = n == 1 and top > 1
         if lower:
