@@ -155,19 +155,19 @@ def test_compile_notice_and_background_swap(chat_dir, oracle, monkeypatch, caplo
     compiled step is swapped in once ready, and the greedy tokens are HF's throughout; nothing with cpu_compile off."""
     import threading
 
-    from hf_dsinfer.generation import compiled_cpu
+    from hf_dsinfer.generation import compile_priority, compiled_cpu
 
     monkeypatch.setenv("HF_DSINFER_CPU_COMPILE", "1")
     # the compile thread lowers its own priority (1 here: a test suite on a busy machine must not starve it)
-    monkeypatch.setenv(compiled_cpu.NICE_ENV, "1")
+    monkeypatch.setenv(compile_priority.NICE_ENV, "1")
     lowered = []
-    real_lower = compiled_cpu._lower_priority
+    real_lower = compiled_cpu.lower_priority
 
     def spy(nice: int) -> None:
         lowered.append((threading.current_thread().name, nice))
         real_lower(nice)
 
-    monkeypatch.setattr(compiled_cpu, "_lower_priority", spy)
+    monkeypatch.setattr(compiled_cpu, "lower_priority", spy)  # the name compiled_cpu calls
     ids = torch.tensor([[5, 9, 3, 7]])
     want = oracle.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -268,13 +268,13 @@ def test_exit_waits_for_a_background_compile(caplog):
 
 def test_eager_steps_leave_a_core_to_a_background_compile():
     """While a background compile runs, the eager steps use one thread fewer (never zero), restored after."""
-    from hf_dsinfer.generation import compiled_cpu
+    from hf_dsinfer.generation import compile_priority
 
     before = torch.get_num_threads()
     try:
         for threads, inside in ((2, 1), (3, 2), (1, 1)):
             torch.set_num_threads(threads)
-            with compiled_cpu._leave_a_core():
+            with compile_priority.leave_a_core():
                 assert torch.get_num_threads() == inside
             assert torch.get_num_threads() == threads
     finally:
@@ -288,7 +288,7 @@ def test_background_compile_lowers_only_its_own_priority(monkeypatch):
     import os
     import threading
 
-    from hf_dsinfer.generation import compiled_cpu
+    from hf_dsinfer.generation import compile_priority
 
     def nice_of_this_thread() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -296,13 +296,13 @@ def test_background_compile_lowers_only_its_own_priority(monkeypatch):
     caller = nice_of_this_thread()
     for env, want in ((None, 19), ("7", max(7, caller)), ("0", caller)):
         if env is None:
-            monkeypatch.delenv(compiled_cpu.NICE_ENV, raising=False)
+            monkeypatch.delenv(compile_priority.NICE_ENV, raising=False)
         else:
-            monkeypatch.setenv(compiled_cpu.NICE_ENV, env)
+            monkeypatch.setenv(compile_priority.NICE_ENV, env)
         seen: list[int] = []
 
-        def compile_thread(nice: int = compiled_cpu.compile_nice(), seen: list[int] = seen) -> None:
-            compiled_cpu._lower_priority(nice)
+        def compile_thread(nice: int = compile_priority.compile_nice(), seen: list[int] = seen) -> None:
+            compile_priority.lower_priority(nice)
             seen.append(nice_of_this_thread())
 
         thread = threading.Thread(target=compile_thread)
@@ -311,6 +311,6 @@ def test_background_compile_lowers_only_its_own_priority(monkeypatch):
         assert seen == [want]
         assert nice_of_this_thread() == caller
     for bad in ("low", "-5", "20"):
-        monkeypatch.setenv(compiled_cpu.NICE_ENV, bad)
-        with pytest.raises(ValueError, match=compiled_cpu.NICE_ENV):
-            compiled_cpu.compile_nice()
+        monkeypatch.setenv(compile_priority.NICE_ENV, bad)
+        with pytest.raises(ValueError, match=compile_priority.NICE_ENV):
+            compile_priority.compile_nice()

@@ -53,6 +53,7 @@ from hf_dsinfer.kernels.quant_cpu import lower_materialize
 from ..log import logger
 from ..modules import cpu_packed
 from .compile_gate import GATE
+from .compile_priority import compile_nice, leave_a_core, lower_priority
 from .graph_runner import GraphRunner, StaticInput
 from .thread_governor import ThreadGovernor, pinned_threads, team_threads
 
@@ -80,77 +81,19 @@ _BACKGROUND: set[threading.Thread] = set()
 EXIT_WAIT_S = 600.0  # at most this long: a compile that is still running then is left to the interpreter
 
 
-@contextlib.contextmanager
-def _leave_a_core():
-    """Run the enclosed eager step on one thread fewer (at least one): a background compile keeps a core busy, and
-    an OpenMP team of torch's full thread count then waits at every barrier for the thread that lost its core.
-    SmolLM2 on 2 cores, default threads, a compile running (fresh compile cache, quiet machine): eager steps at 2
-    threads took 125-196 ms per token against HF eager's 53-56 ms; at 1 thread 47-64 ms, and the compile took as
-    long (70 s against 71-73 s). ``torch.set_num_threads`` sets the calling thread's OpenMP team size, so only the
-    decoding thread is affected, and it is restored after the step."""
-    threads = torch.get_num_threads()
-    if threads > 1:
-        torch.set_num_threads(threads - 1)
-    try:
-        yield
-    finally:
-        if threads > 1:
-            torch.set_num_threads(threads)
-
-
-#: Nice value of the background compile's thread (Linux sets priorities per thread; the C++ compiler processes and
-#: helper threads it starts inherit it, inductor's compile thread pool included, which lives on in the process). 19,
-#: the lowest: when the eager steps and the compile want the same core, the kernel runs the step first. SmolLM2 on 2
-#: cores at a load of 2-11 (loaded figures, docs/generation.md): calls while compiling took 130-1198 ms per
-#: token at normal priority, 42-1385 ms at 19 (4 runs; HF eager alone: 134-194 ms); the compile took 228-523 s
-#: against 284-760 s.
-#: ``HF_DSINFER_COMPILE_NICE`` overrides it (0: the caller's priority).
-COMPILE_NICE = 19
-NICE_ENV = "HF_DSINFER_COMPILE_NICE"
-
-
-#: The eager steps run on one thread fewer (:func:`_leave_a_core`) while a background compile runs at this nice value
-#: or below. 19: always. At nice 19 the compile yields its core to a step's second thread, but Python's interpreter lock
-#: it holds while tracing still delays that step; with one thread fewer or not, loaded runs (SmolLM2, 2 cores, load 6-7,
-#: one run each) were as fast (0.82x and 1.08x the HF eager call beside each, medians): a quiet machine decides
-#: (``hf-dsinfer bench --compile-pending --pending-variants default,nice-all-threads``). Since the compile is parked
-#: during steps (:data:`PARK_COMPILE`), all threads would be free while it traces; tried (one thread fewer only while
-#: it waits for the C++ compiler): steps of up to 1.3 s per token at a load of 2-3 from other jobs (an OpenMP team of
-#: two on two busy cores), so the steps keep one thread fewer throughout.
+#: The eager steps run on one thread fewer (:func:`.compile_priority.leave_a_core`) while a background compile runs at
+#: this nice value or below. 19: always. At nice 19 the compile yields its core to a step's second thread, but Python's
+#: interpreter lock it holds while tracing still delays that step; with one thread fewer or not, loaded runs (SmolLM2, 2
+#: cores, load 6-7, one run each) were as fast (0.82x and 1.08x the HF eager call beside each, medians): a quiet machine
+#: decides (``hf-dsinfer bench --compile-pending --pending-variants default,nice-all-threads``). Since the compile is
+#: parked during steps (:data:`PARK_COMPILE`), all threads would be free while it traces; tried (one thread fewer only
+#: while it waits for the C++ compiler): steps of up to 1.3 s per token at a load of 2-3 from other jobs (an OpenMP team
+#: of two on two busy cores), so the steps keep one thread fewer throughout.
 LEAVE_A_CORE_AT_NICE = 19
 
 #: Park a background compile's Python while a decode step runs, lending it a slice after each step
 #: (:mod:`.compile_gate`). False only for ``hf-dsinfer bench --compile-pending``'s ``unparked`` variant.
 PARK_COMPILE = True
-
-
-def compile_nice() -> int:
-    """The nice value background compiles run at: :data:`NICE_ENV` when set, else :data:`COMPILE_NICE`."""
-    value = os.environ.get(NICE_ENV, "").strip()
-    if not value:
-        return COMPILE_NICE
-    try:
-        nice = int(value)
-    except ValueError:
-        nice = -1
-    if not 0 <= nice <= 19:
-        raise ValueError(f"{NICE_ENV} must be a nice value from 0 (the caller's priority) to 19 (the lowest), got "
-                         f"{value!r}; unset it for the default ({COMPILE_NICE})")  # fmt: skip
-    return nice
-
-
-def _lower_priority(nice: int) -> None:
-    """Lower the calling thread's CPU priority to ``nice`` (where the OS has per-thread priorities: Linux).
-
-    An unprivileged process can lower a priority but never raise it back, so this is for a thread that ends after
-    its work: the background compile's. Never raises: where it is refused, the compile runs at the usual priority."""
-    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
-        return
-    try:
-        tid = threading.get_native_id()  # on Linux PRIO_PROCESS with a thread id sets that thread only
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-    except OSError as e:  # a sandbox that refuses it
-        logger.info("hf_dsinfer: could not lower the background compile's priority (%s)", e)
 
 
 def _join_background_compiles() -> None:
@@ -372,7 +315,7 @@ class CompiledCPUDecode:
         grad = torch.is_grad_enabled()
 
         def run() -> None:
-            _lower_priority(nice)
+            lower_priority(nice)
             try:
                 parked = GATE.compiling() if PARK_COMPILE else contextlib.nullcontext()
                 with parked, torch.set_grad_enabled(grad):
@@ -493,7 +436,7 @@ class CompiledCPUDecode:
                     return self._eager_until_it_pays(bucket, input_ids, positions)
                 self._start_background(bucket)
                 self.eager_while_compiling += 1
-                with _leave_a_core() if self._nice <= LEAVE_A_CORE_AT_NICE else contextlib.nullcontext():
+                with leave_a_core() if self._nice <= LEAVE_A_CORE_AT_NICE else contextlib.nullcontext():
                     return self.step.eager(input_ids, positions)
             if bucket in self._pending:  # switched to sync while a background compile runs: wait for it
                 self._pending[bucket].join()
