@@ -48,7 +48,6 @@ COMPILE_NICE = 19
 NICE_ENV = "HF_DSINFER_COMPILE_NICE"
 
 
-
 def compile_nice() -> int:
     """The nice value background compiles run at: :data:`NICE_ENV` when set, else :data:`COMPILE_NICE`."""
     value = os.environ.get(NICE_ENV, "").strip()

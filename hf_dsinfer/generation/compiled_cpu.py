@@ -24,9 +24,9 @@ warning says so when it starts). By default it runs in a background thread while
 and the compiled graph is swapped in between two steps once it is ready (:meth:`CompiledCPUDecode.wait` waits for it,
 e.g. before timing). The background thread only compiles: the compiled code is called once there in a *dry run* that
 raises before the graph executes (:func:`_inductor_with_dry_run`), so it never touches the KV cache the eager steps
-are writing. The compile thread runs at the lowest CPU priority (:data:`COMPILE_NICE`, inherited by the C++ compiler
-processes it starts), so the eager steps get the cores first. ``HF_DSINFER_CPU_COMPILE=sync`` compiles in the calling
-thread instead (the step waits).
+are writing. The compile thread runs at the lowest CPU priority (:data:`.compile_priority.COMPILE_NICE`, inherited by
+the C++ compiler processes it starts), so the eager steps get the cores first. ``HF_DSINFER_CPU_COMPILE=sync``
+compiles in the calling thread instead (the step waits).
 
 If compiling fails the step falls back to eager torch for good, with one warning. ``InferenceConfig.cpu_compile=False``
 (or ``HF_DSINFER_CPU_COMPILE=0``) keeps the eager path, which is also the reference the compiled one is tested against.
