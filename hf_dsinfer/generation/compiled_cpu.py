@@ -42,7 +42,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +54,7 @@ from ..log import logger
 from ..modules import cpu_packed
 from .compile_gate import GATE
 from .compile_priority import compile_nice, leave_a_core, lower_priority
+from .direct_call import DirectCall, capture, guards_mode
 from .graph_runner import GraphRunner, StaticInput
 from .thread_governor import ThreadGovernor, pinned_threads, team_threads
 
@@ -196,6 +197,10 @@ class CompiledCPUDecode:
         self._team_failed = False  # a team variant failed to compile: one-thread loops only from then on
         self._team_pending: dict[tuple[int, int], threading.Thread] = {}  # background team compiles
         self._variant = 1  # the variant the runner's next call runs (1, or a team size)
+        # Inside loop(): (bucket, variant, packed switch) -> its entry called without the object guards (None: that
+        # key stays guarded this loop); None outside a loop (every call guarded).
+        self._direct: dict[tuple, DirectCall | None] | None = None
+        self.direct_steps = 0  # steps run through a DirectCall (tests and benchmarks read it)
 
     def applies(self, input_ids: torch.Tensor) -> bool:
         """Whether this call runs compiled: CPU, torch kernels, not switched off, compiling has not failed."""
@@ -236,7 +241,19 @@ class CompiledCPUDecode:
         self.step.start_offsets(bucket, input_ids.device)  # allocate outside the graph (no guard on a first call)
         if bucket in self.compile_s:
             compiled = self._teams[self._variant] if self._variant > 1 else self._compiled
-            return compiled(input_ids, positions, slots)
+            if self._direct is None:
+                return compiled(input_ids, positions, slots)
+            key = (bucket, self._variant, cpu_packed.enabled())
+            direct = self._direct.get(key)
+            if direct is not None:
+                out = direct(self.step, input_ids, positions, slots)
+                if out is not None:
+                    self.direct_steps += 1
+                    return out
+            out = compiled(input_ids, positions, slots)
+            if key not in self._direct:
+                self._direct[key] = capture(compiled, (self.step, input_ids, positions, slots))
+            return out
         self._notice(bucket, background=False)
         t0 = time.perf_counter()
         self._make_compiled()
@@ -262,6 +279,20 @@ class CompiledCPUDecode:
     def _done(self, bucket: int, seconds: float) -> None:
         self.compile_s[bucket] = seconds  # published last: the next step of this bucket runs compiled
         logger.info("hf_dsinfer: compiled the CPU %s for batch %d in %.1f s", self._what, bucket, seconds)
+
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        """The scope of one decoding loop: after the first guarded step of each bucket, its later steps call the
+        compiled entry without dynamo's object guards (:mod:`.direct_call`; ``HF_DSINFER_CPU_GUARDS=every`` turns
+        this off). Nested scopes share the outermost one."""
+        if self._direct is not None or guards_mode() == "every":
+            yield
+            return
+        self._direct = {}
+        try:
+            yield
+        finally:
+            self._direct = None
 
     def _ensure_runner(self) -> GraphRunner:
         if self.runner is None:

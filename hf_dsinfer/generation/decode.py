@@ -9,6 +9,7 @@ advance (a replayed graph cannot run Python).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -59,6 +60,11 @@ class DecodeStep:
         if self.compiled is not None and self.compiled.applies(input_ids):
             return self.compiled(input_ids=input_ids, positions=positions)
         return self.eager(input_ids, positions)
+
+    def loop(self) -> contextlib.AbstractContextManager:
+        """The scope of one decoding loop over this step (see :meth:`CompiledCPUDecode.loop`; nothing without the
+        compiled CPU step)."""
+        return self.compiled.loop() if self.compiled is not None else contextlib.nullcontext()
 
     def verifier(self, tokens: int, input_ids: torch.Tensor) -> CompiledCPUDecode | None:
         """The compiled step over ``tokens`` new tokens of one row (a speculative verification: ``1 + k`` tokens),

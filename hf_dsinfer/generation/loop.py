@@ -14,6 +14,7 @@ past the true end are undone (tokens trimmed, cache lengths rolled back), so the
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,35 +244,38 @@ def _fast(self, call: CallContext, plan: DecodePlan, input_ids, generation_confi
     needs_host = streamer is not None or bool(plan.host_criteria)
     sync_every = 1 if needs_host or device.type != "cuda" else _SYNC_EVERY_CUDA
 
+    # One decoding loop: the compiled CPU step guards its first step per bucket, not every step (direct_call.py).
+    scope = decode.loop() if decode is state.step and decode is not None else contextlib.nullcontext()
     steps = 0
-    for i in range(n_new):
-        if i > 0:
-            logits = decode(input_ids=tok[:, None], positions=next_pos)  # noqa: F821 - tok is set in step 0
-            cache.padded_len += 1  # the host-side width; the step advanced the device lengths itself
-            next_pos += 1
-        if keep_logits:
-            logits_out.append(logits.clone())
-        # [B, V] what transformers' processors return; in place: this step's logits are not read again (kept ones
-        # were cloned above)
-        scores = proc.warp(proc.process(logits, i, owned=True))
-        tok = proc.select(scores)  # [B]
-        if keep_scores:
-            scores_out.append(scores.clone())
-        if eos is not None:
-            tok = torch.where(unfinished, tok, pad)  # finished rows get padding, as in transformers
-        seq[:, prompt_len + i] = tok
-        proc.observe(tok)
-        if eos is not None:
-            unfinished &= ~torch.isin(tok, eos)
-        for crit in plan.host_criteria:
-            unfinished &= ~crit(seq[:, : prompt_len + i + 1], tuple(scores_out) if keep_scores else None).to(device)
-        if streamer is not None:
-            streamer.put(tok.cpu())
-        alive[i] = unfinished.any()
-        steps = i + 1
-        call.timer.mark()
-        if steps < n_new and steps % sync_every == 0 and not bool(alive[i]):
-            break
+    with scope:
+        for i in range(n_new):
+            if i > 0:
+                logits = decode(input_ids=tok[:, None], positions=next_pos)  # noqa: F821 - tok is set in step 0
+                cache.padded_len += 1  # the host-side width; the step advanced the device lengths itself
+                next_pos += 1
+            if keep_logits:
+                logits_out.append(logits.clone())
+            # [B, V] what transformers' processors return; in place: this step's logits are not read again (kept ones
+            # were cloned above)
+            scores = proc.warp(proc.process(logits, i, owned=True))
+            tok = proc.select(scores)  # [B]
+            if keep_scores:
+                scores_out.append(scores.clone())
+            if eos is not None:
+                tok = torch.where(unfinished, tok, pad)  # finished rows get padding, as in transformers
+            seq[:, prompt_len + i] = tok
+            proc.observe(tok)
+            if eos is not None:
+                unfinished &= ~torch.isin(tok, eos)
+            for crit in plan.host_criteria:
+                unfinished &= ~crit(seq[:, : prompt_len + i + 1], tuple(scores_out) if keep_scores else None).to(device)
+            if streamer is not None:
+                streamer.put(tok.cpu())
+            alive[i] = unfinished.any()
+            steps = i + 1
+            call.timer.mark()
+            if steps < n_new and steps % sync_every == 0 and not bool(alive[i]):
+                break
 
     # Length as transformers would stop: after the first token at which every row was finished.
     dead = (~alive[:steps]).nonzero()
