@@ -100,11 +100,18 @@ def test_compiled_verification_keeps_greedy_tokens(models, case, compile_on, mon
             return follow[:3]  # fewer than K: fillers pad the graph's input
 
         monkeypatch.setattr(speculative, "propose", propose)
+    step = getattr(opt, GEN_ATTR).step
+
+    def direct_steps() -> int:
+        return sum(c.direct_steps for c in (step.compiled, *step._verifiers.values()) if c is not None)
+
+    before = direct_steps()
     out = _greedy(opt, ids, prompt_lookup_num_tokens=K, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want)
     assert last_generate_stats(opt).path == "fast+lookup"
     assert hf_compat.output_cache(out).get_seq_length() == want.shape[1] - 1  # as plain greedy leaves it
-    step = getattr(opt, GEN_ATTR).step
+    if mode in ("wrong", "none"):  # one verification (or decode step) per token: most after the first run directly
+        assert direct_steps() > before
     if mode == "none":
         assert step.compiled.compile_s, "the compiled decode step did not run"
     else:

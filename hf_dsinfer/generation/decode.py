@@ -10,6 +10,7 @@ advance (a replayed graph cannot run Python).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class DecodeStep:
         self._start: torch.Tensor | None = None
         self.compiled: CompiledCPUDecode | None = None
         self._verifiers: dict[int, CompiledCPUDecode] = {}  # tokens -> the compiled one-row verification step
+        self._loop: contextlib.ExitStack | None = None  # inside loop(): the scopes of the compiled steps
         if compile_cpu:
             buckets = batch_buckets(batch_sizes, max_batch_size)
             self.compiled = CompiledCPUDecode(self, buckets, auto=compile_cpu == "auto")
@@ -61,10 +63,22 @@ class DecodeStep:
             return self.compiled(input_ids=input_ids, positions=positions)
         return self.eager(input_ids, positions)
 
-    def loop(self) -> contextlib.AbstractContextManager:
-        """The scope of one decoding loop over this step (see :meth:`CompiledCPUDecode.loop`; nothing without the
-        compiled CPU step)."""
-        return self.compiled.loop() if self.compiled is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        """The scope of one decoding loop over this step and its verification steps (see
+        :meth:`CompiledCPUDecode.loop`; a verifier created inside the loop joins it; nothing without the compiled CPU
+        step)."""
+        if self.compiled is None or self._loop is not None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for compiled in (self.compiled, *self._verifiers.values()):
+                stack.enter_context(compiled.loop())
+            self._loop = stack
+            try:
+                yield
+            finally:
+                self._loop = None
 
     def verifier(self, tokens: int, input_ids: torch.Tensor) -> CompiledCPUDecode | None:
         """The compiled step over ``tokens`` new tokens of one row (a speculative verification: ``1 + k`` tokens),
@@ -79,6 +93,8 @@ class DecodeStep:
         verifier = self._verifiers.get(tokens)
         if verifier is None:
             verifier = self._verifiers[tokens] = CompiledCPUDecode(self, [1], tokens=tokens, auto=self.compiled.auto)
+            if self._loop is not None:
+                self._loop.enter_context(verifier.loop())
         return None if verifier.failed else verifier
 
     def start_offsets(self, batch: int, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ loop when greedy (the same tokens), or transformers' assisted loop when sampling
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -121,37 +122,40 @@ def prompt_lookup_loop(
     seq = input_ids[0].tolist()
     tok = int(proc.select(proc.process(out.logits[:, -1].float(), 0))[0])
     del out
-    generated = 0
-    while True:
-        seq.append(tok)
-        generated += 1
-        call.timer.mark()
-        if streamer is not None:
-            streamer.put(torch.tensor([tok]))
-        if _stops(plan, seq, tok, eos, generated, n_new, device):
-            break
-        # propose, then verify [tok, c_1..c_k] in one forward: logits j give the greedy token after c_j
-        room = min(k_max, n_new - generated - 1)
-        cands = proposer(seq, room, device) if proposer is not None else propose(seq, room, max_ngram)
-        logits, fed = _verify(model, step, handle, [tok, *cands], k_max, start + generated - 1, device)  # [fed, V]
-        picks = [int(proc.select(proc.process(logits[j : j + 1], generated + j))[0]) for j in range(len(cands) + 1)]
-        accepted = 0
-        while accepted < len(cands) and picks[accepted] == cands[accepted]:
-            accepted += 1
-        handle.crop(-(fed - 1 - accepted))  # drop the cache entries of the rejected proposals (and of any filler)
-        if proposer is not None:
-            proposer.accepted(len(cands), accepted)
-        for j in range(accepted):  # the accepted proposals are greedy's tokens; emit them one by one (stop checks)
-            seq.append(cands[j])
+    # One decoding loop: the compiled steps guard their first call per shape, not every call (direct_call.py).
+    with step.loop() if step is not None else contextlib.nullcontext():
+        generated = 0
+        while True:
+            seq.append(tok)
             generated += 1
             call.timer.mark()
             if streamer is not None:
-                streamer.put(torch.tensor([cands[j]]))
-            if _stops(plan, seq, cands[j], eos, generated, n_new, device):
-                # the cache holds tok, c_1..c_accepted; plain greedy's would end before the last token emitted (c_j+1)
-                handle.crop(-(accepted - j))
-                return _done(seq, handle, generated, streamer, device)
-        tok = picks[accepted]
+                streamer.put(torch.tensor([tok]))
+            if _stops(plan, seq, tok, eos, generated, n_new, device):
+                break
+            # propose, then verify [tok, c_1..c_k] in one forward: logits j give the greedy token after c_j
+            room = min(k_max, n_new - generated - 1)
+            cands = proposer(seq, room, device) if proposer is not None else propose(seq, room, max_ngram)
+            logits, fed = _verify(model, step, handle, [tok, *cands], k_max, start + generated - 1, device)  # [fed, V]
+            picks = [int(proc.select(proc.process(logits[j : j + 1], generated + j))[0]) for j in range(len(cands) + 1)]
+            accepted = 0
+            while accepted < len(cands) and picks[accepted] == cands[accepted]:
+                accepted += 1
+            handle.crop(-(fed - 1 - accepted))  # drop the cache entries of the rejected proposals (and of any filler)
+            if proposer is not None:
+                proposer.accepted(len(cands), accepted)
+            for j in range(accepted):  # the accepted proposals are greedy's tokens; emit them one by one (stop checks)
+                seq.append(cands[j])
+                generated += 1
+                call.timer.mark()
+                if streamer is not None:
+                    streamer.put(torch.tensor([cands[j]]))
+                if _stops(plan, seq, cands[j], eos, generated, n_new, device):
+                    # the cache holds tok, c_1..c_accepted; plain greedy's would end before the last token emitted
+                    # (c_j+1)
+                    handle.crop(-(accepted - j))
+                    return _done(seq, handle, generated, streamer, device)
+            tok = picks[accepted]
     return _done(seq, handle, generated, streamer, device)
 
 
