@@ -6,15 +6,14 @@ runs the transformed bytecode that gathers the graph's inputs and calls the comp
 int4 decode step (one row, one thread, this 2-core EPYC): 1.1-1.5 ms of a 13 ms step in the guard walk, which reads
 a tree the step's weights have just pushed out of the CPU caches.
 
-Within one decoding loop (one ``generate`` call, greedy / sampled or speculative: the loop owns the model from its
-first step to its last) nothing
-those object guards check can change: the same modules, the same weights (updated in place at most), the same
-packed copies, the same cache tensors. So after a step of a batch bucket has run through the guarded call, the
-loop's later steps of that bucket call the cache entry dynamo has just run (its transformed bytecode, which still
-reads every input afresh) directly, checking only what does change from step to step: the ambient state (grad mode,
-threads, default device, torch function modes) and the symbolic shape guards on the attended length (a length the
-entry does not cover, e.g. the whole cache, goes through the guarded call). vLLM dispatches its compiled models to
-the transformed bytecode for the same reason.
+Within one decoding loop (one ``generate`` call, greedy, sampled or speculative: the loop owns the model from its
+first step to its last) nothing those object guards check can change: the same modules, the same weights (updated
+in place at most), the same packed copies, the same cache tensors. So after a step of a batch bucket has run
+through the guarded call, the loop's later steps of that bucket call the cache entry dynamo has just run (its
+transformed bytecode, which still reads every input afresh) directly, checking only what does change from step to
+step: the ambient state (grad mode, threads, default device, torch function modes) and the symbolic shape guards on
+the attended length (a length the entry does not cover, e.g. the whole cache, goes through the guarded call). vLLM
+dispatches its compiled models to the transformed bytecode for the same reason.
 
 The next loop starts with a guarded call again, so anything changed between ``generate`` calls (weights replaced,
 adapters, settings) is seen by dynamo as before. ``HF_DSINFER_CPU_GUARDS=every`` guards every step. Where the
