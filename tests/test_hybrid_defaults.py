@@ -4,6 +4,7 @@ the engine's own decode step on."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -82,6 +83,9 @@ class _SpyStep:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.step.eager(input_ids, positions)
+
+    def loop(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the decoding loop's scope (CompiledCPUDecode.loop): nothing to skip here
 
 
 def test_disable_compile_keeps_the_engines_decode_step():
