@@ -86,12 +86,10 @@ def capture(compiled: Any, args: tuple) -> DirectCall | None:
         names = code.co_varnames[: code.co_argcount]
         frame = dict(zip(names, args))
         manager = entry.guard_manager
-        if not manager.check(frame):  # not the entry that ran: leave this loop guarded
+        if not manager.check(frame):  # not the entry that ran (the full check includes the subset kept below)
             return None
         root = manager.root
         guards = [*root.get_leaf_guards(), *root.get_epilogue_lambda_guards()]
-        if not all(guard(frame) for guard in guards):
-            return None
         fn = types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     except Exception:  # noqa: BLE001 - a torch without these internals: guarded calls, as before
         return None
