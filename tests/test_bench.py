@@ -221,6 +221,32 @@ def test_bench_hybrid_mode_writes_table(tmp_path, capsys):
     assert "generate_ms" in capsys.readouterr().out
 
 
+def test_bench_hybrid_inference_dtype_keeps_a_copy_and_reports_its_rounding(tmp_path):
+    """``--inference-dtype bf16`` on an fp32 training model: the engine's copy is bf16 (not shared: another dtype),
+    and the row's untimed logp_diff shows bf16's rounding, far above the fp32 copy's noise."""
+    argv = ["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "2", "--prompt-len", "8", "--new-tokens", "4",
+            "--repeats", "1", "--device", "cpu", "--threads", "1", "--dtype", "fp32"]  # fmt: skip
+    main([*argv, "--inference-dtype", "bf16", "--out", str(tmp_path / "bf16")])
+    main([*argv, "--out", str(tmp_path / "fp32")])
+    rows = {}
+    for name in ("bf16", "fp32"):
+        report = json.loads((tmp_path / name / "bench-hybrid-tiny.json").read_text())
+        assert report["settings"]["inference_dtype"] == name
+        rows[name] = {r["mode"]: r for r in report["rows"] if r["peer"] == "hybrid"}
+    for mode in ("full", "lora"):
+        bf16, fp32 = rows["bf16"][mode], rows["fp32"][mode]
+        assert bf16["inference_dtype"] == "bf16" and fp32["inference_dtype"] == "fp32"
+        assert "copy dtype bf16" in bf16["note"] and "logp_diff" in bf16["note"]
+        assert fp32["logp_diff"] < 1e-4 < bf16["logp_diff"] < 1.0
+    assert rows["bf16"]["full"]["memory_mib"]["weights"] > 0  # its own (bf16) weights: nothing to share
+    assert rows["fp32"]["full"]["memory_mib"]["weights"] == 0
+
+
+def test_bench_inference_dtype_needs_hybrid(tmp_path):
+    with pytest.raises(SystemExit, match="--inference-dtype .* needs --hybrid"):
+        main(["bench", "--preset", "tiny", "--inference-dtype", "bf16", "--out", str(tmp_path)])
+
+
 def test_bench_hybrid_engine_failure_fails_the_bench(tmp_path, capsys, monkeypatch):
     import hf_dsinfer.hybrid.engine as engine
 

@@ -42,6 +42,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--inference-dtype", default=None, choices=list(DTYPES),
+                   help="--hybrid: the engine's copy dtype (default: --dtype, the training model's); another dtype "
+                   "keeps a copy of the weights, and the row's logp_diff shows its rounding")  # fmt: skip
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
     p.add_argument(
         "--quant",
@@ -205,6 +208,8 @@ def bench_main(ns: argparse.Namespace) -> dict:
     """Run the ``bench`` subcommand: print the table, write JSON and markdown; returns the report."""
     # warm-up calls must finish the CPU decode step's compile (by default it runs in the background meanwhile)
     os.environ.setdefault("HF_DSINFER_CPU_COMPILE", "sync")
+    if getattr(ns, "inference_dtype", None) and not getattr(ns, "hybrid", False):
+        raise SystemExit("--inference-dtype sets the Hybrid Engine's copy dtype: it needs --hybrid")
     if getattr(ns, "serve_url", None) or getattr(ns, "serve_peers", None):
         from .http_bench import http_main
 
@@ -276,7 +281,7 @@ def bench_main(ns: argparse.Namespace) -> dict:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if getattr(ns, "hybrid", False):
-        return _hybrid_main(args, ns.out)
+        return _hybrid_main(args, ns.out, getattr(ns, "inference_dtype", None))
     report = run_bench(args)
     report["settings"]["threads"] = torch.get_num_threads()
     report["hf_dsinfer_failed"] = any(is_ours(r["peer"]) for r in failed_rows(report))
@@ -300,17 +305,18 @@ def bench_main(ns: argparse.Namespace) -> dict:
     return report
 
 
-def _hybrid_main(args: BenchArgs, out: str) -> dict:
+def _hybrid_main(args: BenchArgs, out: str, inference_dtype: str | None = None) -> dict:
     """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
     from .hybrid import run_hybrid_bench
 
     rows = run_hybrid_bench(
         args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        device=args.device, dtype=args.dtype, iterations=args.repeats,
+        device=args.device, dtype=args.dtype, iterations=args.repeats, inference_dtype=inference_dtype,
     )  # fmt: skip
     table = hybrid_table(rows)
     failed = [r for r in rows if r.get("failed")]
-    report = {"mode": "hybrid", "settings": {**asdict(args), "threads": torch.get_num_threads()}, "rows": rows,
+    settings = {**asdict(args), "threads": torch.get_num_threads(), "inference_dtype": inference_dtype or args.dtype}
+    report = {"mode": "hybrid", "settings": settings, "rows": rows,
               "hf_dsinfer_failed": any(r["peer"] == "hybrid" for r in failed)}  # fmt: skip
     write_report(report, table, out, f"bench-hybrid-{args.preset}")
     for r in failed:

@@ -178,7 +178,8 @@ def _row(
 
 
 def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
-                dtype: str, iterations: int, lora_rank: int, seed: int) -> list[dict]:  # fmt: skip
+                dtype: str, iterations: int, lora_rank: int, seed: int,
+                inference_dtype: str | None = None) -> list[dict]:  # fmt: skip
     """Both contenders of one training setup, alternating on one shared model; a row each."""
     from ..hybrid.engine import HybridEngine
     from ..log import logger
@@ -209,7 +210,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     try:
         he = HybridEngine(
             model, inference_config=dict(
-                dtype=dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
+                dtype=inference_dtype or dtype, max_out_tokens=prompt_len + new_tokens, max_batch_size=batch,
                 enable_cuda_graph=dev.type == "cuda", cpu_compile=True,
             ),
         )  # fmt: skip
@@ -283,13 +284,15 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             _row("hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev, errors["hybrid"],
                  **loads),  # fmt: skip
         ]
+    logp = _logp_diff(he, model, gen_kw, "hybrid" in errors)
     mem = {k: round(v / 2**20, 1) for k, v in he.memory().items()}  # MiB
     copy_mib = mem["weights"]
     built_mib = round((rss_engine - rss_before) / 2**20, 1) if rss_engine and rss_before else None
     hybrid_row = _row(
         "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
         injected=get_injection(he.module) is not None, inference_copy_mib=copy_mib, memory_mib=mem,
-        rss_engine_built_mib=built_mib, decode_step=_decode_step(he, ids), **loads,
+        rss_engine_built_mib=built_mib, decode_step=_decode_step(he, ids), inference_dtype=inference_dtype or dtype,
+        logp_diff=logp, **loads,
     )  # fmt: skip
     hybrid_row["switch_pct"] = (
         round(100 * hybrid_row["refresh_ms"] / hybrid_row["generate_ms"], 2) if hybrid_row["generate_ms"] else None
@@ -302,12 +305,42 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
     hybrid_row["note"] = (
         f"cpu_speedup {hybrid_row.get('cpu_speedup')}, switch {hybrid_row['switch_pct']}% of generate; memory MiB: "
         f"copy {mem['weights']}, KV {mem['kv_cache']}, packed {mem['cpu_packed']}, shared "
-        f"{mem['shared_with_training']}, RSS at build {built_mib}; load {loads['load_before']}-{loads['load_after']}; "
+        f"{mem['shared_with_training']}, RSS at build {built_mib}; copy dtype {hybrid_row['inference_dtype']}, "
+        f"logp_diff {logp if logp is None else f'{logp:.3g}'}; load {loads['load_before']}-{loads['load_after']}; "
         f"{hybrid_row['decode_step']} decode step; runs: {_runs_text(peer_row)} | {_runs_text(hybrid_row)}"
     )
     if peer not in errors:
         peer_row["note"] = f"runs: {_runs_text(peer_row)}"
     return [peer_row, hybrid_row]
+
+
+#: Rows the untimed ``logp_diff`` check scores (two teacher-forced forwards each, outside every timed call).
+LOGP_ROWS = 4
+
+
+def _logp_diff(he: Any, model: nn.Module, gen_kw: dict, failed: bool) -> float | None:
+    """After the timed iterations, one more (untimed) engine rollout scored by :func:`..hybrid.probe.logp_diff`: mean
+    |engine - training| log-prob of the sampled tokens of its first :data:`LOGP_ROWS` rows (fp32 noise for a copy in
+    the training dtype; the rounding of another ``--inference-dtype``). None when the engine failed or it cannot run."""
+    if failed:
+        return None
+    from ..hybrid.probe import logp_diff
+
+    try:
+        he.eval()
+        seqs = he.generate(**gen_kw)  # [B, P + N]
+        he.train()
+        model.eval()
+        diff = logp_diff(he.module, model, seqs, gen_kw["attention_mask"], LOGP_ROWS,
+                         gen_kw.get("temperature", 1.0) if gen_kw.get("do_sample") else 1.0)  # fmt: skip
+    except Exception:  # noqa: BLE001 - the timed figures stand; the row says the check did not run
+        from ..log import logger
+
+        logger.warning("bench --hybrid: the logp_diff check failed; its row reports none", exc_info=True)
+        return None
+    finally:
+        model.train()
+    return None if diff is None else round(diff, 6)
 
 
 def _runs_text(row: dict) -> str:
@@ -356,6 +389,7 @@ def run_hybrid_bench(
     lora_rank: int = 16,
     seed: int = 0,
     modes: tuple[str, ...] = ("full", "lora"),
+    inference_dtype: str | None = None,
 ) -> list[dict]:
     """Run each training setup of ``modes`` (``full``, ``lora``) for ``iterations`` measured iterations per contender
     (after one warm-up); two rows per setup: the HF peer (``hf`` or ``peft``), then ``hybrid``.
@@ -364,7 +398,9 @@ def run_hybrid_bench(
     ``refresh_ms`` (hybrid), ``train_ms``, ``e2e_ms`` (medians), ``tokens_per_s`` (generated tokens over generate
     time), ``peak_mem_mib`` (CUDA only), ``failed``, ``error``, ``note``; hybrid rows add ``injected``,
     ``inference_copy_mib``, ``speedup`` (peer generate / engine generate + refresh) and ``e2e_speedup`` (when both
-    ran). A contender that raises gets ``failed=True``, its error and no figures; the other one still runs.
+    ran), ``inference_dtype`` (the engine's copy: ``inference_dtype``, default ``dtype``) and ``logp_diff`` (see
+    :func:`_logp_diff`). A contender that raises gets ``failed=True``, its error and no figures; the other one still
+    runs.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows: list[dict] = []
@@ -372,7 +408,8 @@ def run_hybrid_bench(
         if mode not in ("full", "lora"):
             raise ValueError(f"unknown hybrid bench mode {mode!r}; use 'full' and/or 'lora'")
         try:
-            rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed)
+            rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed,
+                                inference_dtype)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the setup failed (model, peft): both rows failed, the other setup runs
             from .report import error_text
 
