@@ -94,8 +94,8 @@ class HybridEngine(GenerateMixin):
         share_base: ``"auto"`` (default): training weights in the inference dtype share their storage with the
             inference copy (:mod:`.shared_base`): frozen ones (peft LoRA's base, ``requires_grad=False``, LoRA added
             as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
-            inference buffers in place: the refresh copies nothing). Other-dtype tensors are copied. ``False``: copy
-            everything.
+            inference buffers in place: the refresh copies nothing). Frozen tensors in another dtype are cast into
+            the copy once (LoRA as a side path), trainable ones copied at each refresh. ``False``: copy everything.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
@@ -317,8 +317,9 @@ class HybridEngine(GenerateMixin):
         unchanged: set[int] = set()
         if self._shared is not None:
             self._shared.copy_unlinked(w)  # shared tensors whose .data was rebound since: copied, never stale
+            recast = self._shared.recast_changed(w)  # frozen tensors cast once: again only if they changed
             self._shared.refresh_lora(w)  # LoRA side paths of the shared base, in place
-            unchanged = self._shared.unchanged()
+            unchanged = self._shared.unchanged() - recast
         # The writes above go through .data, which the version counter does not see, and the optimizer's writes to
         # shared trainable weights bump the training tensors' counters, not these: the CPU packed GEMM copies of every
         # weight that may have changed are re-packed now, so the switch (refresh_ms) pays for them, not the generate.

@@ -92,6 +92,8 @@ def sleep(engine: Any) -> int:
         if ptr not in training:
             tensors.setdefault(ptr, t)
     engine._asleep = [(t, t.untyped_storage().nbytes()) for t in tensors.values()]
+    if engine._shared is not None:
+        engine._shared.cast_stale = True  # frozen tensors cast once lose their values too: cast again at wake
     for t, _ in engine._asleep:
         t.untyped_storage().resize_(0)
     return before - sum(engine_memory(engine)[k] for k in ("weights", "kv_cache", "cpu_packed", "cuda_graphs"))

@@ -23,11 +23,19 @@ projection is adapted, so a fused copy is the full second copy again; the side p
 per linear (a few % of ``in x out`` at r=16) and costs two skinny GEMMs per linear in a decode step, in persistent
 buffers that each refresh overwrites in place (CUDA graphs and the compiled CPU step stay valid).
 
+A *frozen* weight in another dtype than the inference copy's (an fp32 training model with a bf16 copy) cannot share
+storage; it is **cast once** instead: its slice of the copy is filled at build and never rewritten by a refresh (it
+does not change), and LoRA on it is a side path as above, so a switch copies only the factors (SmolLM2, LoRA r=16 on
+every linear, bf16 copy of an fp32 model, 2 threads: 129-130 ms when each refresh fused ``W + BA`` into the copy).
+Every refresh checks that the training tensor is the same, at the same address, with the same version counter (an
+in-place write such as ``load_state_dict`` or an adapter merge bumps it) and casts it again otherwise.
+
 Not shared, with one info log saying why (that tensor keeps its copy, refreshed as before): a trainable tensor of a
 peft model (``modules_to_save``) or of a parameter that does not own its storage, DeepSpeed-Chat LoRA layers (the
-delta is fused into the copy), another dtype than the inference copy's, LoRA on a tensor without a side path
-(embedding, LM head), a source that is not a plain row slice (a transposed Conv1D weight), a policy with its own
-``pack_into``, tensor parallelism, a quantized copy, sharded (FSDP2 / ZeRO-3) parameters, another device.
+delta is fused into the copy), a trainable tensor in another dtype than the inference copy's, LoRA on a tensor
+without a side path (embedding, LM head), a source that is not a plain row slice (a transposed Conv1D weight), a
+policy with its own ``pack_into``, tensor parallelism, a quantized copy, sharded (FSDP2 / ZeRO-3) parameters, another
+device.
 """
 
 from __future__ import annotations
@@ -91,9 +99,10 @@ class SharedBase:
     """Which inference tensors share the training weights, and the LoRA side paths (built once, after the first
     refresh).
 
-    ``shared``: ids of the inference parameters whose storage the training model uses; the engine's refresh skips
-    them. ``trainable``: the subset the optimizer updates (full fine-tuning): not copied either, but re-packed at each
-    refresh (:func:`.memory.repack`). ``lora``: ``(LoRALinear, [(row offset, training LoRA layer)])`` per side path.
+    ``shared``: ids of the inference parameters the engine's refresh skips: those whose storage the training model
+    uses, and frozen ones cast once (``cast``). ``trainable``: the subset the optimizer updates (full fine-tuning): not
+    copied either, but re-packed at each refresh (:func:`.memory.repack`). ``lora``: ``(LoRALinear, [(row offset,
+    training LoRA layer)])`` per side path.
     """
 
     def __init__(self, engine: Any, infer: nn.Module, record: Any):
@@ -103,6 +112,9 @@ class SharedBase:
         # (inference param, row offset, HF name, training param, the address it must keep) for every shared slice
         self.links: list[tuple[torch.Tensor, int, str, torch.Tensor, int]] = []
         self.broken: list[tuple[torch.Tensor, int, str]] = []  # links cut since: copied at each refresh, by name
+        # (inference param, row offset, HF name, training param, its address, its version) for every slice cast once
+        self.cast: list[list[Any]] = []
+        self.cast_stale = False  # set by sleep(): the next refresh casts every slice again
         self.bytes_shared = 0
         self.plain_model = engine.weights.peft_model is None
         w = engine.weights
@@ -121,6 +133,8 @@ class SharedBase:
             base, lora = _base_param(w, name)
             if lora is None and self._can_share(name, base, param, w):
                 self._adopt(param, [base], [name])
+            elif lora is None and self._can_cast(name, base, param, w):
+                self._cast_once(param, [base], [name])
 
     # -- deciding --------------------------------------------------------------------------------------------------
 
@@ -134,9 +148,26 @@ class SharedBase:
                   "peft model: copied at each refresh, not shared")  # fmt: skip
             return False
         if base.dtype != param.dtype or base.device != param.device:
-            _once(f"{name}: the training weight is {base.dtype} on {base.device}, the inference copy "
-                  f"{param.dtype} on {param.device}; copied at each refresh, not shared")  # fmt: skip
+            if not self._castable(base, param):
+                _once(f"{name}: the training weight is {base.dtype} on {base.device}, the inference copy "
+                      f"{param.dtype} on {param.device}; copied at each refresh, not shared")  # fmt: skip
             return False
+        return True
+
+    @staticmethod
+    def _castable(base: torch.Tensor, param: torch.Tensor) -> bool:
+        """A frozen tensor in another dtype on the copy's device: cast once (see the module doc)."""
+        return not base.requires_grad and base.device == param.device and base.dtype != param.dtype
+
+    def _can_cast(self, name: str, base: Any, param: torch.Tensor, w: Any) -> bool:
+        if not isinstance(base, torch.Tensor) or type(base).__name__ == "DTensor" or hasattr(base, "ds_id"):
+            return False
+        if is_deepspeed_chat_lora(w.module(name.rpartition(".")[0])):
+            return False  # its effective weight is W + the delta
+        if not self._castable(base, param):
+            return False
+        _once(f"{name} and the other frozen weights are {base.dtype}, the inference copy {param.dtype}: cast into "
+              "the copy once (not shared), not rewritten at refreshes")  # fmt: skip
         return True
 
     def _owns_storage(self, base: torch.Tensor) -> bool:
@@ -155,13 +186,16 @@ class SharedBase:
         if names is None:
             _once(f"{fused_name} is not made of plain row slices ({as_source(src)!r}): copied, not shared")
             return
-        bases, loras = [], []
+        bases, loras, cast = [], [], []
         for n in names:
             base, lora = _base_param(w, prefix + n)
-            if not self._can_share(prefix + n, base, param, w):
+            cast.append(self._can_cast(prefix + n, base, param, w))
+            if not cast[-1] and not self._can_share(prefix + n, base, param, w):
                 return
             bases.append(base)
             loras.append(lora)
+        if any(cast) and not all(cast):
+            return  # parts of one fused tensor shared and cast: keep the copy
         if sum(b.shape[0] for b in bases) != param.shape[0] or any(b.shape[1:] != param.shape[1:] for b in bases):
             return
         active = [(lo, w._active_lora(lo, prefix + n)) if lo is not None else (None, []) for lo, n in zip(loras, names)]
@@ -175,7 +209,10 @@ class SharedBase:
         if adapted and (type(owner) is not Linear or owner.reduce is not None):
             _once(f"{fused_name}: LoRA on a {type(owner).__name__} has no side path; copied, not shared")
             return
-        self._adopt(param, bases, [prefix + n for n in names])
+        if all(cast):
+            self._cast_once(param, bases, [prefix + n for n in names])
+        else:
+            self._adopt(param, bases, [prefix + n for n in names])
         if not adapted:
             return
         rank = sum(lo.lora_A[a].weight.shape[0] for lo, acts in active for a in acts)
@@ -204,7 +241,36 @@ class SharedBase:
             self.trainable.add(id(param))  # the optimizer writes it: re-packed at each refresh, never copied
         self.bytes_shared += param.numel() * param.element_size()
 
+    def _cast_once(self, param: torch.Tensor, bases: list[torch.Tensor], names: list[str]) -> None:
+        """Fill ``param``'s row slices with ``bases`` cast to its dtype, once; the refresh skips ``param`` from now on
+        (:meth:`recast_changed` casts a slice again if its training tensor changes)."""
+        offset = 0
+        with torch.no_grad():
+            for base, name in zip(bases, names):
+                param.data.narrow(0, offset, base.shape[0]).copy_(base.detach())
+                self.cast.append([param, offset, name, base, base.data_ptr(), base._version])
+                offset += base.shape[0]
+        self.shared.add(id(param))  # skipped by the refresh; not trainable: its CPU packs stay
+
     # -- refreshing ------------------------------------------------------------------------------------------------
+
+    def recast_changed(self, weights: Any) -> set[int]:
+        """Cast again the frozen slices whose training tensor changed since (another tensor under that name, another
+        address, or a bumped version counter: an in-place write), or all of them after ``sleep()`` freed the copy
+        (``cast_stale``). Returns the ids of the params written (the refresh re-packs their CPU packs)."""
+        written: set[int] = set()
+        force, self.cast_stale = self.cast_stale, False
+        with torch.no_grad():
+            for entry in self.cast:
+                param, offset, name, base, ptr, version = entry
+                current = _base_param(weights, name)[0]
+                if not force and current is base and base.data_ptr() == ptr and base._version == version:
+                    continue
+                value = weights.full(current.detach())
+                param.data.narrow(0, offset, value.shape[0]).copy_(value)
+                entry[3:] = [current, current.data_ptr(), current._version]
+                written.add(id(param))
+        return written
 
     def copy_unlinked(self, weights: Any) -> None:
         """Copy the training tensors that no longer share the inference buffer into their slices: their ``.data`` was
