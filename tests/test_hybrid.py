@@ -169,11 +169,12 @@ def test_release_inference_cache_frees_kv_between_generations():
         assert torch.equal(he.generate(**gen), first)
 
 
-def test_bf16_inference_copy_without_sharing_holds_fused_lora_weights():
-    """``share_base=False``: ``W + BA`` fused into the bf16 copy (by default the frozen base is cast once and LoRA is
-    a side path instead: tests/test_hybrid_cast_base.py)."""
+@pytest.mark.parametrize("share_base", ["auto", False])
+def test_bf16_inference_copy_holds_fused_lora_weights(share_base):
+    """An adapted frozen weight in another dtype: ``W + BA`` fused into the bf16 copy (frozen weights without LoRA
+    are cast once instead: tests/test_hybrid_cast_base.py)."""
     model = lora_model()
-    he = HybridEngine(model, inference_config={**CFG, "dtype": "bf16"}, share_base=False)
+    he = HybridEngine(model, inference_config={**CFG, "dtype": "bf16"}, share_base=share_base)
     merged = copy.deepcopy(model).merge_and_unload()
     attn = merged.model.layers[1].self_attn
     want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(torch.bfloat16)
