@@ -94,8 +94,9 @@ class HybridEngine(GenerateMixin):
         share_base: ``"auto"`` (default): training weights in the inference dtype share their storage with the
             inference copy (:mod:`.shared_base`): frozen ones (peft LoRA's base, ``requires_grad=False``, LoRA added
             as a side path) and, for full fine-tuning of a plain model, trainable ones (the optimizer updates the
-            inference buffers in place: the refresh copies nothing). Frozen tensors in another dtype are cast into
-            the copy once (LoRA as a side path), trainable ones copied at each refresh. ``False``: copy everything.
+            inference buffers in place: the refresh copies nothing). In another dtype, frozen tensors without LoRA
+            are cast into the copy once; adapted ones (``W + BA`` fused) and trainable ones are written at each
+            refresh. ``False``: copy everything.
 
     Fast defaults: ``enable_cuda_graph`` unset or ``"auto"`` is on for a CUDA copy (an explicit False wins).
 
