@@ -284,7 +284,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             _row("hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev, errors["hybrid"],
                  **loads),  # fmt: skip
         ]
-    logp = _logp_diff(he, model, gen_kw, "hybrid" in errors)
+    logp = _logp_diff(he, gen_kw)
     mem = {k: round(v / 2**20, 1) for k, v in he.memory().items()}  # MiB
     copy_mib = mem["weights"]
     built_mib = round((rss_engine - rss_before) / 2**20, 1) if rss_engine and rss_before else None
@@ -318,28 +318,22 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
 LOGP_ROWS = 4
 
 
-def _logp_diff(he: Any, model: nn.Module, gen_kw: dict, failed: bool) -> float | None:
-    """After the timed iterations, one more (untimed) engine rollout scored by :func:`..hybrid.probe.logp_diff`: mean
-    |engine - training| log-prob of the sampled tokens of its first :data:`LOGP_ROWS` rows (fp32 noise for a copy in
-    the training dtype; the rounding of another ``--inference-dtype``). None when the engine failed or it cannot run."""
-    if failed:
-        return None
-    from ..hybrid.probe import logp_diff
-
+def _logp_diff(he: Any, gen_kw: dict) -> float | None:
+    """After the timed iterations, one more (untimed) engine rollout with the engine's own ``logp_diff`` probe on its
+    first :data:`LOGP_ROWS` rows (:mod:`..hybrid.probe`: mean |engine - training| log-prob of the sampled tokens; fp32
+    noise for a copy in the training dtype, the rounding of another ``--inference-dtype``). None where it cannot run."""
+    rows, he.logp_probe_rows = he.logp_probe_rows, LOGP_ROWS
     try:
-        he.eval()
-        seqs = he.generate(**gen_kw)  # [B, P + N]
-        he.train()
-        model.eval()
-        diff = logp_diff(he.module, model, seqs, gen_kw["attention_mask"], LOGP_ROWS,
-                         gen_kw.get("temperature", 1.0) if gen_kw.get("do_sample") else 1.0)  # fmt: skip
+        with he.inference():
+            he.generate(**gen_kw)
+        diff = he.stats.last.logp_diff
     except Exception:  # noqa: BLE001 - the timed figures stand; the row says the check did not run
         from ..log import logger
 
         logger.warning("bench --hybrid: the logp_diff check failed; its row reports none", exc_info=True)
         return None
     finally:
-        model.train()
+        he.logp_probe_rows = rows
     return None if diff is None else round(diff, 6)
 
 
