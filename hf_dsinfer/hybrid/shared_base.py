@@ -139,11 +139,17 @@ class SharedBase:
 
     # -- deciding --------------------------------------------------------------------------------------------------
 
-    def _can_share(self, name: str, base: Any, param: torch.Tensor, w: Any) -> bool:
+    @staticmethod
+    def _whole_weight(name: str, base: Any, w: Any) -> bool:
+        """``base`` is a whole tensor whose value is the weight (what sharing and casting once both need)."""
         if not isinstance(base, torch.Tensor) or type(base).__name__ == "DTensor" or hasattr(base, "ds_id"):
-            return False  # sharded (FSDP2 / ZeRO-3): gathered at each refresh, nothing to share
-        if is_deepspeed_chat_lora(w.module(name.rpartition(".")[0])):
-            return False  # its effective weight is W + the delta: the fused copy holds that, not W
+            return False  # sharded (FSDP2 / ZeRO-3): gathered at each refresh, nothing to share or cast once
+        # DeepSpeed-Chat LoRA: its effective weight is W + the delta: the fused copy holds that, not W
+        return not is_deepspeed_chat_lora(w.module(name.rpartition(".")[0]))
+
+    def _can_share(self, name: str, base: Any, param: torch.Tensor, w: Any) -> bool:
+        if not self._whole_weight(name, base, w):
+            return False
         if base.requires_grad and not self._owns_storage(base):
             _once(f"{name} is trainable and a view into a larger storage (a flat optimizer buffer?) or belongs to a "
                   "peft model: copied at each refresh, not shared")  # fmt: skip
@@ -161,11 +167,7 @@ class SharedBase:
         return not base.requires_grad and base.device == param.device and base.dtype != param.dtype
 
     def _can_cast(self, name: str, base: Any, param: torch.Tensor, w: Any) -> bool:
-        if not isinstance(base, torch.Tensor) or type(base).__name__ == "DTensor" or hasattr(base, "ds_id"):
-            return False
-        if is_deepspeed_chat_lora(w.module(name.rpartition(".")[0])):
-            return False  # its effective weight is W + the delta
-        return self._castable(base, param)
+        return self._whole_weight(name, base, w) and self._castable(base, param)
 
     def _owns_storage(self, base: torch.Tensor) -> bool:
         """A trainable tensor of a plain model that is its storage, whole (nothing else reads or writes through it)."""
