@@ -84,6 +84,22 @@ def test_generation_equals_merged_reference(case):
     assert model.training  # train() puts the training model back in training mode
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c != "plain_hf"])
+def test_fused_lora_values_equal_peft_merge_bitwise(case):
+    """What a copy that cannot share the base (another dtype, TP) is filled from: every effective weight equals
+    peft's ``merge_and_unload()`` bit for bit in fp32 (deltas scaled then added, several adapters in peft's order)."""
+    from hf_dsinfer.hybrid.weights import TrainingWeights
+
+    model = CASES[case]()
+    weights = TrainingWeights(model)
+    merged = copy.deepcopy(model)
+    merged = merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    differing = [n for n, p in merged.named_parameters() if not torch.equal(weights.get(n), p.detach())]
+    assert not differing, f"fused values differ from peft's merge: {differing}"
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters()), "reading fused a training weight"
+
+
 def test_switches_never_touch_training_state_and_buffers_stay_put():
     model = lora_model()
     model.train()

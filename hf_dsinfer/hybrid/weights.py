@@ -228,7 +228,7 @@ class TrainingWeights:
             return out
         if leaf != "weight":
             return base
-        out = base.float()
+        out: torch.Tensor | None = None  # base + the scaled deltas, built in place in the first delta's buffer
         for a in active:
             if isinstance(mod, lora_layer.Embedding):
                 a_w = self.full(mod.lora_embedding_A[a].detach()).float()  # [r, num_embeddings]
@@ -245,8 +245,11 @@ class TrainingWeights:
                     f"{name}: LoRA on {type(mod).__name__} is not fused by the Hybrid Engine (Linear, Conv1D and "
                     "Embedding are)."
                 )
-            # The same operation order as peft's merge (delta * scaling, then added), so fp32 results are bitwise equal.
-            out = out + delta * mod.scaling[a]
+            # The same operations as peft's merge (delta * scaling, then added; a sum's operand order does not change
+            # an IEEE result, and a bf16/fp16 base widens exactly), so fp32 results are bitwise equal. In place in
+            # the first delta's fresh buffer: one weight-sized allocation, not three.
+            delta.mul_(mod.scaling[a])
+            out = delta.add_(base) if out is None else out.add_(delta)
         return out
 
     def _deepspeed_chat_lora_value(self, mod: nn.Module) -> torch.Tensor:
@@ -257,8 +260,9 @@ class TrainingWeights:
             return base
         right = self.full(mod.lora_right_weight.detach()).float()  # [in, r]
         left = self.full(mod.lora_left_weight.detach()).float()  # [r, out]
-        # fp32 products, then (delta * scaling) added once: the order used for peft's LoRA above.
-        return base.float() + (right @ left).t() * float(mod.lora_scaling)
+        # fp32 products, then (delta * scaling) added once: the order used for peft's LoRA above, in place too.
+        delta = (right @ left).t()  # [out, in]: a view of a fresh product
+        return delta.mul_(float(mod.lora_scaling)).add_(base)
 
     def check_modules(self, reference: nn.Module) -> None:
         """Refuse training modules that compute something the plain architecture cannot hold.
