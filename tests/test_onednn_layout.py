@@ -1,4 +1,4 @@
-"""In-place re-packing of oneDNN-packed fp32 weights (hf_dsinfer/modules/onednn_layout.py).
+"""In-place re-packing of oneDNN-packed fp32 and bf16 weights (hf_dsinfer/modules/onednn_layout.py).
 
 The oracle is oneDNN's own reorder (``torch.ops.mkldnn._reorder_linear_weight``): an in-place write must leave the
 packed buffer bit for bit equal to a fresh reorder of the same weight, reuse the buffer, and step aside (the caller
@@ -29,8 +29,11 @@ def fresh_tables(monkeypatch):
     monkeypatch.setattr(onednn_layout, "_verified", {})
 
 
-def _bits(packed: torch.Tensor) -> torch.Tensor:
-    return onednn_layout.alias(packed).view(torch.int32).clone()  # [elements of the buffer]
+DTYPES = [torch.float32, torch.bfloat16]  # bf16 packs exist on any oneDNN x86 build (AMX or not: layouts differ)
+
+
+def _bits(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return onednn_layout.alias(packed, dtype).view(onednn_layout._BITS[dtype]).clone()  # [elements of the buffer]
 
 
 def test_strided_form_recovers_views_and_refuses_others():
@@ -46,32 +49,45 @@ def test_strided_form_recovers_views_and_refuses_others():
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(64, 128), (192, 576), (576, 1536), (320, 96), (100, 70), (7, 33)])
-def test_in_place_write_equals_a_fresh_reorder(rows, cols):
+def test_in_place_write_equals_a_fresh_reorder(rows, cols, dtype):
     g = torch.Generator().manual_seed(rows + cols)
-    w1, w2 = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+    w1, w2 = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+    # The second weight at an odd element offset of a larger buffer (a chunk of a head, a fused half): bf16 pairs
+    # then straddle 32-bit words and must be moved element by element.
+    w2 = torch.cat([torch.zeros(1, dtype=dtype), w2.flatten()])[1:].view(rows, cols)
     packed = torch.ops.mkldnn._reorder_linear_weight(w1, None)
     ptr = torch.ops.mkldnn.data_ptr(packed)
     assert not onednn_layout.write_packed(packed, w2)  # nothing learned of this shape yet
     learned = onednn_layout.learn(packed, w1)
     written = onednn_layout.write_packed(packed, w2)
-    if onednn_layout.layout(rows, cols) is None:  # padded or not a view: nothing may be written
+    if onednn_layout.layout(rows, cols, dtype) is None:  # padded or not a view: nothing may be written
         assert not learned and not written
-        assert torch.equal(_bits(packed), _bits(torch.ops.mkldnn._reorder_linear_weight(w1, None)))
+        assert torch.equal(_bits(packed, dtype), _bits(torch.ops.mkldnn._reorder_linear_weight(w1, None), dtype))
         return
     assert learned and written
     assert torch.ops.mkldnn.data_ptr(packed) == ptr  # the same buffer
-    assert torch.equal(_bits(packed), _bits(torch.ops.mkldnn._reorder_linear_weight(w2, None)))
-    x = torch.randn(8, cols, generator=g)  # [M, in]
+    fresh = torch.ops.mkldnn._reorder_linear_weight(w2.contiguous().clone(), None)
+    assert torch.equal(_bits(packed, dtype), _bits(fresh, dtype))
+    w3 = torch.randn(rows, cols, generator=g).to(dtype)  # aligned: bf16 pairs move as 32-bit words
+    assert onednn_layout.write_packed(packed, w3)
+    assert torch.equal(_bits(packed, dtype), _bits(torch.ops.mkldnn._reorder_linear_weight(w3, None), dtype))
+    x = torch.randn(8, cols, generator=g).to(dtype)  # [M, in]
     y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # [M, out]
-    torch.testing.assert_close(y, F.linear(x, w2), atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), F.linear(x, w3).float(), atol=tol, rtol=tol)
 
 
 @needs_onednn
 def test_the_common_shapes_are_written_in_place():
-    """SmolLM2's decoder and LM-head chunk shapes: a layout must be found (else the switch reorders everything)."""
+    """SmolLM2's decoder and LM-head chunk shapes: a layout must be found (else the switch reorders everything); in
+    bf16 where bf16 packing is used (AMX), with input pairs kept together (copied as 32-bit words)."""
     for rows, cols in ((960, 576), (576, 576), (3072, 576), (576, 1536), (7168, 576)):
         assert onednn_layout.layout(rows, cols) is not None, (rows, cols)
+        if cpu_packed.bf16_available():
+            sizes, strides = onednn_layout.layout(rows, cols, torch.bfloat16)
+            assert sizes[-1] == 2 and strides[-1] == 1, (rows, cols, sizes, strides)
 
 
 @needs_onednn
@@ -79,7 +95,7 @@ def test_non_contiguous_or_other_dtype_weights_are_left_to_onednn():
     w = torch.randn(128, 64)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     assert not onednn_layout.learn(packed, torch.randn(64, 128).t())  # K-major: nothing learned from it
-    assert (128, 64) not in onednn_layout._verified
+    assert (128, 64, torch.float32) not in onednn_layout._verified
     assert onednn_layout.learn(packed, w)
     before = _bits(packed)
     assert not onednn_layout.write_packed(packed, torch.randn(64, 128).t())
@@ -90,7 +106,7 @@ def test_non_contiguous_or_other_dtype_weights_are_left_to_onednn():
 @needs_onednn
 def test_a_misread_layout_is_caught_once_and_switched_off(caplog):
     rows, cols = 128, 64
-    onednn_layout._layouts[(rows, cols)] = ([rows * cols], [1])  # wrong: oneDNN blocks the rows
+    onednn_layout._layouts[(rows, cols, torch.float32)] = ([rows * cols], [1])  # wrong: oneDNN blocks the rows
     w = torch.randn(rows, cols)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     before = _bits(packed)
@@ -98,7 +114,7 @@ def test_a_misread_layout_is_caught_once_and_switched_off(caplog):
         assert not onednn_layout.learn(packed, w)
         assert not onednn_layout.learn(packed, w)
         assert not onednn_layout.write_packed(packed, torch.randn(rows, cols))
-    assert onednn_layout._verified[(rows, cols)] is False
+    assert onednn_layout._verified[(rows, cols, torch.float32)] is False
     assert torch.equal(_bits(packed), before)
     assert sum("differed from the probed layout" in r.getMessage() for r in caplog.records) == 1
 
