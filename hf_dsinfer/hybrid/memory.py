@@ -2,7 +2,8 @@
 
 ``memory()`` counts every byte the engine adds: the inference copy's own weights (storage shared with the training
 model, see :mod:`.shared_base`, is not counted twice), the static KV cache, the oneDNN-packed CPU copies of its
-linear weights (``modules/cpu_packed.py``: as large as the weights they pack, built at batch 4-32 in fp32 on CPU) and
+linear weights (``modules/cpu_packed.py``: as large as the weights they pack, built at batch 4-32 on CPU in fp32, and
+in bf16 with AMX) and
 the CUDA-graph memory pool of the decode graphs. ``sleep()`` frees the inference copy's own weights, the KV cache,
 the packed copies and the graphs between generation phases (full fine-tuning: the copy is as large as the model);
 ``wake()`` (or the next ``eval()``) allocates them again and refreshes them from the training weights.

@@ -29,10 +29,10 @@ How it stays correct:
 **bf16** takes the packed GEMM too where the CPU has AMX tiles (``torch.cpu._is_amx_tile_supported()``) and a bf16
 probe product equals ``F.linear``'s bit for bit (one info line otherwise). Why: ``F.linear`` in bf16 runs oneDNN's
 AMX matmul over the plain weight, which it reorders into its blocked layout on every call; over the prepacked copy
-the same kernel skips that. SmolLM2's 121 linears and head (269 MB bf16) at 32 rows took 18.7-19.8 ms against
-25.0-26.3 ms at 2 threads, 36.2-37.6 against 45.6-47.5 ms at 1 (an Intel Xeon with AMX, torch 2.13), packed faster at
-every row count from 1 to 128 and on 128x576 to 1024x256 weights, with equal products in every comparison. Measured
-on that CPU only, hence the AMX condition; the row window and :data:`MIN_ELEMENTS` are fp32's.
+the same kernel skips that. SmolLM2's 121 linears and head (269 MB bf16) took 26-35% less time packed at every row
+count from 1 to 128, at 1 and 2 threads, with products equal bit for bit (an Intel Xeon with AMX, torch 2.13;
+docs/performance.md, "bf16 prepacked GEMMs", ``scripts/bench_cpu_packed_gemm.py``). Measured on that CPU only, hence
+the AMX condition; the row window and :data:`MIN_ELEMENTS` are fp32's.
 
 The serving engine packs its tokens of different requests into one ``[1, T, C]`` row; its steps run inside
 :func:`ragged_rows`, where those T tokens count as T rows, so 4-32 decoding requests take the packed GEMM too.
@@ -286,6 +286,9 @@ def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     over a row-major fp32 weight (the Hybrid Engine's head, ``hybrid.build.row_major_head``), the row-streaming GEMV
     of :class:`~.linear.Linear` (``F.linear`` reads a row-major weight about half as fast there).
 
+    Otherwise on CPU a strided input of more than two dimensions (a prefill's last-token slice ``[B, 1, C]`` of
+    ``[B, T, C]``) is folded to ``[rows, C]`` first: ``F.linear`` cannot fold it into one GEMM and copies the weight
+    once per row for a batched product instead (bf16 SmolLM2 head, 32 rows of 32 tokens: 2.7 s against 7 ms).
     Anything else (a subclass, a peft or TP wrapper, a module with hooks) is simply called.
     """
     if not is_plain_linear(module):
@@ -297,6 +300,9 @@ def module_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _row_gemv_applies(x, module.weight):
         y = _row_gemv(x, module.weight)  # [..., out]
         return y if module.bias is None else y + module.bias
+    if x.device.type == "cpu" and x.ndim > 2 and not x.is_contiguous():
+        y = F.linear(x.reshape(-1, x.shape[-1]), module.weight, module.bias)  # [rows, out]
+        return y.view(*x.shape[:-1], y.shape[-1])  # [..., out]
     return module(x)
 
 

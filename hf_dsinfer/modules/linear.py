@@ -84,8 +84,9 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` over a given ``weight [out, in]`` and optional ``bias [out]``.
 
     Unlike ``nn.Linear`` it takes the parameters it computes with, so re-packed or shared HF weights are used in place.
-    On CPU in fp32 with at least ``cpu_packed.MIN_ROWS`` rows the product runs over a oneDNN-prepacked copy of the
-    weight, a cache rebuilt when the weight changes (see :mod:`.cpu_packed`); the parameter itself is unchanged.
+    On CPU in fp32 (and bf16 where the CPU has AMX) with ``cpu_packed.MIN_ROWS`` to ``MAX_ROWS`` rows the product runs
+    over a oneDNN-prepacked copy of the weight, a cache rebuilt when the weight changes (see :mod:`.cpu_packed`); the
+    parameter itself is unchanged.
     ``reduce``: for a row-parallel linear (tensor parallelism: ``in`` is this rank's slice of the input features), an
     in-place sum over the ranks applied to ``x @ weight.T`` before the bias, so the bias counts once. It is a callable
     (``t -> t``) so this layer does not depend on ``hf_dsinfer.parallel``; inside a captured CUDA graph the collective
@@ -120,7 +121,7 @@ class Linear(nn.Module):
             y = _row_gemv(x, self.weight)  # [..., out]
             if self.reduce is None:
                 return y if self.bias is None else y + self.bias
-        elif cpu_packed.applies(x, self.weight, self):  # fp32 CPU, >= 4 rows: the prepacked oneDNN GEMM
+        elif cpu_packed.applies(x, self.weight, self):  # fp32 (bf16 + AMX) CPU, 4-32 rows: prepacked oneDNN
             if self.reduce is None:
                 return cpu_packed.linear(x, self.weight, self.bias, self)
             y = cpu_packed.linear(x, self.weight, None, self)
