@@ -96,18 +96,17 @@ def _packed_index(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | No
     every packed element, in buffer order (int64), or None when the buffer is padded or cannot be read."""
     n = rows * cols
     index = torch.arange(n, dtype=torch.int64)
-    if dtype == torch.float32:
-        digits, base = [index], 1  # one pack: every index is exact in fp32 below 2**24
-    else:
-        base = 256  # bf16 holds the integers 0..256 exactly: one pack per base-256 digit
-        digits = [(index >> (8 * k)) & 255 for k in range(max(1, (max(n - 1, 1).bit_length() + 7) // 8))]
+    # fp32: one pack, every index is exact below 2**24. bf16 holds the integers 0..256 exactly: one pack per digit.
+    bits, count = (24, 1) if dtype == torch.float32 else (8, max(1, (max(n - 1, 1).bit_length() + 7) // 8))
     found = torch.zeros(n, dtype=torch.int64)
-    for k, digit in enumerate(digits):
+    for k in range(count):
+        digit = (index >> (bits * k)) & ((1 << bits) - 1)  # [n]
         packed = torch.ops.mkldnn._reorder_linear_weight(digit.to(dtype).view(rows, cols), None)
+        del digit
         buf = alias(packed, dtype)
         if buf is None or buf.numel() != n:
             return None
-        found += buf.to(torch.int64) * base**k
+        found += buf.to(torch.int64) << (bits * k)
         del buf, packed
     return found
 
