@@ -121,17 +121,28 @@ def _probe() -> tuple[bool, str | None]:
         return False, None  # measured on x86 only; other CPUs keep F.linear
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False, None
-    try:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(40, 24, generator=g)  # [out, in]
-        x = torch.randn(5, 24, generator=g)  # [M, in]
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # [M, out]
-    except Exception:  # noqa: BLE001 - missing op, unsupported build: packing is only an optimization
+    product = _probe_product(torch.float32, bias=False)
+    if product is None:
         return False, None
-    if not torch.allclose(y, F.linear(x, w), atol=1e-4, rtol=1e-4):
-        return False, f"the probe differed from F.linear by {float((y - F.linear(x, w)).abs().max()):.3g}"
+    y, want = product
+    if not torch.allclose(y, want, atol=1e-4, rtol=1e-4):
+        return False, f"the probe differed from F.linear by {float((y - want).abs().max()):.3g}"
     return True, None
+
+
+def _probe_product(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A 24x40 product at 5 rows of ``dtype`` through oneDNN's packed linear, and ``F.linear``'s: ``(y, want)``, each
+    ``[5, 40]``; None when an op is missing or raises (packing is only an optimization)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g).to(dtype)  # [out, in]
+    b = torch.randn(40, generator=g).to(dtype) if bias else None
+    x = torch.randn(5, 24, generator=g).to(dtype)  # [M, in]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")  # [M, out]
+    except Exception:  # noqa: BLE001 - missing op, unsupported build or dtype
+        return None
+    return y, F.linear(x, w, b)
 
 
 def available() -> bool:
@@ -157,15 +168,12 @@ def _probe_bf16() -> tuple[bool, str | None]:
     try:
         if amx is None or not amx():
             return False, None
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(40, 24, generator=g).to(torch.bfloat16)  # [out, in]
-        b = torch.randn(40, generator=g).to(torch.bfloat16)
-        x = torch.randn(5, 24, generator=g).to(torch.bfloat16)  # [M, in]
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")  # [M, out]
-    except Exception:  # noqa: BLE001 - missing op, unsupported build: packing is only an optimization
+    except Exception:  # noqa: BLE001 - a capability query that fails: no AMX as far as we know
         return False, None
-    want = F.linear(x, w, b)
+    product = _probe_product(torch.bfloat16, bias=True)
+    if product is None:
+        return False, None
+    y, want = product
     if not torch.equal(y, want):
         return False, f"the bf16 probe differed from F.linear by {float((y.float() - want.float()).abs().max()):.3g}"
     return True, None
@@ -343,10 +351,7 @@ def packed_bytes(module: nn.Module | None = None) -> int:
 
 def _nbytes(chunk: torch.Tensor, rows: int, cols: int, itemsize: int) -> int:
     """Bytes of a packed chunk: oneDNN's own count where the op exists, else the weight's."""
-    try:
-        return int(torch.ops.mkldnn._nbytes(chunk))
-    except (AttributeError, RuntimeError):
-        return rows * cols * itemsize
+    return onednn_layout.nbytes(chunk) or rows * cols * itemsize
 
 
 def _version(t: torch.Tensor) -> int:

@@ -48,18 +48,26 @@ def _ops_present() -> bool:
     return hasattr(torch.ops.mkldnn, "data_ptr") and hasattr(torch.ops.mkldnn, "_nbytes")
 
 
+def nbytes(packed: torch.Tensor) -> int | None:
+    """Bytes of ``packed``'s buffer (oneDNN pads some shapes), or None where the op is missing or refuses it."""
+    try:
+        return int(torch.ops.mkldnn._nbytes(packed))
+    except Exception:  # noqa: BLE001 - an op that refuses this tensor
+        return None
+
+
 def alias(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """A flat ``dtype`` tensor over ``packed``'s buffer (writable; it does not keep ``packed`` alive), or None."""
-    if not _ops_present():
+    size = nbytes(packed) if _ops_present() else None
+    if size is None:
         return None
     try:
-        nbytes = int(torch.ops.mkldnn._nbytes(packed))
         addr = int(torch.ops.mkldnn.data_ptr(packed))
     except Exception:  # noqa: BLE001 - an op that refuses this tensor: no in-place writes for it
         return None
-    if nbytes <= 0 or nbytes % dtype.itemsize or not addr:
+    if size <= 0 or size % dtype.itemsize or not addr:
         return None
-    return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=dtype)  # [nbytes / itemsize]
+    return torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=dtype)  # [size / itemsize]
 
 
 def _strided_form(index: torch.Tensor) -> tuple[list[int], list[int]] | None:
