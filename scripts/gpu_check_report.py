@@ -3,8 +3,9 @@
 ``python scripts/gpu_check_report.py env OUT/env.json``    records the device and the library versions.
 ``python scripts/gpu_check_report.py report OUT``          reads what the steps left in OUT (``steps.jsonl``, the
 pytest junit XML, the benchmark JSON files) and writes ``OUT/report.md`` and ``OUT/report.json``: device, date,
-versions, each step's pass/fail and duration, every benchmark figure, and the issue-18 speed goals as met / not met
-(recorded, never asserted). Exits 1 when a step failed, so the shell script's status says whether the machine passed.
+versions, each step's pass/fail and duration, every benchmark figure, and the speed goals (issues 18, 33, 35) as
+met / not met (recorded, never asserted). Exits 1 when a step failed, so the shell script's status says whether the
+machine passed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ GOALS = (
     # issue 33: continuous batching on the fused layers (paged Triton kernels) against transformers' own
     # generate_batch, 64 mixed requests arriving at once (bench --serve, the step bench_serving)
     ("serving: continuous batching >= 1.5x transformers' generate_batch tokens/s", "serving_vs_hf_cb", 1.5),
+    # issue 35: the Hybrid Engine on the GRPO shape (Qwen2.5-1.5B shape, bf16, 8 prompts x 8 sampled completions,
+    # bench --hybrid, the step bench_hybrid_grpo): generate + switch >= 5x the training model's HF generate, and the
+    # switch (refresh_ms) <= 2% of the generate it serves, for full fine-tuning and LoRA
+    ("hybrid GRPO 8x8, full fine-tuning: engine >= 5x HF generate", "hybrid_speedup_full", 5.0),
+    ("hybrid GRPO 8x8, LoRA: engine >= 5x peft generate", "hybrid_speedup_lora", 5.0),
+    ("hybrid GRPO 8x8, full fine-tuning: switch <= 2% of generate", "hybrid_switch_pct_full", -2.0),
+    ("hybrid GRPO 8x8, LoRA: switch <= 2% of generate", "hybrid_switch_pct_lora", -2.0),
 )
+#: The Hybrid Engine step's report (bench --hybrid writes bench-hybrid-<preset>.json).
+HYBRID_JSON = "bench-hybrid-qwen2-1.5b.json"
 
 
 def probe_env() -> dict[str, Any]:
@@ -103,6 +113,24 @@ def _bench_goals(bench: dict | None) -> dict[str, float | None]:
     return out
 
 
+def _hybrid_goals(hybrid: dict | None) -> dict[str, float | None]:
+    """The engine's speedup over the HF peer and its switch share of generate, per training mode."""
+    out: dict[str, float | None] = {}
+    rows = {r["mode"]: r for r in (hybrid or {}).get("rows", []) if r.get("peer") == "hybrid" and not r.get("failed")}
+    for mode in ("full", "lora"):
+        row = rows.get(mode, {})
+        out[f"hybrid_speedup_{mode}"] = row.get("speedup")
+        out[f"hybrid_switch_pct_{mode}"] = row.get("switch_pct")
+    return out
+
+
+def _met(value: float | None, target: float) -> bool | None:
+    """A positive target is a floor (value >= target); a negative one a ceiling (value <= -target)."""
+    if value is None:
+        return None
+    return value >= target if target >= 0 else value <= -target
+
+
 def _serving_goal(serve: dict | None) -> float | None:
     """Continuous batching's tokens/s over transformers' generate_batch on the mixed requests arriving at once."""
     rows = {(r["workload"], r["contender"]): r for r in (serve or {}).get("rows", [])}
@@ -136,7 +164,8 @@ def build_report(out: Path) -> dict:
                                                           "timeout" if s["rc"] in (124, 137) else "fail")
     bench = _load_json(out / "bench-llama3-8b.json")
     serve = next((_load_json(f) for f in sorted(out.glob("serve-opt-1.3b-t*.json"))), None)
-    goals = {**_bench_goals(bench), "serving_vs_hf_cb": _serving_goal(serve)}
+    hybrid = _load_json(out / HYBRID_JSON)
+    goals = {**_bench_goals(bench), "serving_vs_hf_cb": _serving_goal(serve), **_hybrid_goals(hybrid)}
     return {
         "env": env,
         "dry_run": dry,
@@ -145,10 +174,10 @@ def build_report(out: Path) -> dict:
         "pytest_cuda": _junit(out / "pytest-cuda.xml"),
         "kernels": _load_json(out / "kernels.json"),
         "bench_llama3_8b": bench,
-        "bench_hybrid": _load_json(out / "bench-hybrid-opt-1.3b.json"),
+        "bench_hybrid": hybrid,
         "bench_serving": serve,
-        "goals": [{"goal": text, "value": goals[key], "target": target,
-                   "met": None if goals[key] is None else goals[key] >= target} for text, key, target in GOALS],
+        "goals": [{"goal": text, "value": goals[key], "target": abs(target), "met": _met(goals[key], target)}
+                  for text, key, target in GOALS],
     }  # fmt: skip
 
 
@@ -181,7 +210,7 @@ def to_markdown(rep: dict) -> str:
                   ""]  # fmt: skip
         lines += _table(kern.get("rows", []))
     for key, title in (("bench_llama3_8b", "hf-dsinfer bench, Llama-3-8B shape"),
-                       ("bench_hybrid", "hf-dsinfer bench --hybrid")):  # fmt: skip
+                       ("bench_hybrid", "hf-dsinfer bench --hybrid, GRPO 8x8, Qwen2.5-1.5B shape")):  # fmt: skip
         data = rep.get(key)
         if data:
             lines += ["", f"## {title}", "", f"Settings: `{json.dumps(data.get('settings', {}))}`"]

@@ -242,6 +242,33 @@ def test_bench_hybrid_inference_dtype_keeps_a_copy_and_reports_its_rounding(tmp_
     assert rows["fp32"]["full"]["memory_mib"]["weights"] == 0
 
 
+def test_bench_hybrid_grpo_shape_on_random_weights(tmp_path):
+    """``--num-generations 4`` on a random preset: 2 random prompts x 4 sampled rows. Each contender generates the
+    full count, the engine prefills each distinct prompt once (its row says so), and the settings record G."""
+    main(["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "8", "--num-generations", "4", "--prompt-len", "6",
+          "--new-tokens", "3", "--repeats", "1", "--device", "cpu", "--threads", "1",
+          "--out", str(tmp_path)])  # fmt: skip
+    report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
+    assert report["settings"]["num_generations"] == 4
+    assert {(r["mode"], r["peer"]) for r in report["rows"]} == {("full", "hf"), ("full", "hybrid"), ("lora", "peft"),
+                                                                ("lora", "hybrid")}  # fmt: skip
+    for r in report["rows"]:
+        assert not r["failed"] and r["num_generations"] == 4 and r["tokens_per_s"] == pytest.approx(
+            8 * 3e3 / r["generate_ms"], rel=0.01)  # fmt: skip
+        if r["peer"] == "hybrid":
+            assert (r["prompt_tokens"], r["prefill_tokens_computed"]) == (8 * 6, 2 * 6)
+
+
+def test_bench_hybrid_grpo_shape_checks_the_batch(tmp_path):
+    from hf_dsinfer.bench.hybrid import run_hybrid_bench
+
+    rows = run_hybrid_bench("tiny", batch=6, prompt_len=4, new_tokens=2, device="cpu", dtype="fp32", iterations=1,
+                            modes=("full",), num_generations=4)  # fmt: skip
+    assert all(r["failed"] and "--num-generations (4) completions" in r["error"] for r in rows)
+    with pytest.raises(SystemExit, match="--num-generations .* needs --hybrid"):
+        main(["bench", "--preset", "tiny", "--num-generations", "4", "--out", str(tmp_path)])
+
+
 def test_bench_inference_dtype_needs_hybrid(tmp_path):
     with pytest.raises(SystemExit, match="--inference-dtype .* needs --hybrid"):
         main(["bench", "--preset", "tiny", "--inference-dtype", "bf16", "--out", str(tmp_path)])

@@ -32,12 +32,14 @@ def test_script_parses_and_dry_run_writes_the_report(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["dry_run"] and rep["passed"]
     names = [s["name"] for s in rep["steps"]]
-    assert names == ["pytest_cuda", "kernel_bench", "bench_llama3_8b", "bench_hybrid", "bench_serving"]
-    assert sum(s["limit_s"] for s in rep["steps"]) <= 9 * 60  # the whole check fits the 9-minute budget
+    assert names == ["pytest_cuda", "kernel_bench", "bench_llama3_8b", "bench_hybrid_grpo", "bench_serving"]
+    assert sum(s["limit_s"] for s in rep["steps"]) <= 9.5 * 60  # the whole check fits the 9.5-minute budget
     cmds = {s["name"]: s["command"] for s in rep["steps"]}
     assert "-m cuda" in cmds["pytest_cuda"]
     assert "--preset llama3-8b" in cmds["bench_llama3_8b"] and "--batch-sizes 1,32" in cmds["bench_llama3_8b"]
-    assert "--hybrid" in cmds["bench_hybrid"]
+    grpo = cmds["bench_hybrid_grpo"]  # issue 35's GPU goal: the GRPO 8 x 8 batch on the Qwen2.5-1.5B shape, bf16
+    assert all(a in grpo for a in ("--hybrid", "--preset qwen2-1.5b", "--batch-sizes 64", "--num-generations 8",
+                                   "--dtype bf16"))  # fmt: skip
     assert all(k in rep["env"] for k in ("date_utc", "torch", "triton", "transformers", "device"))
     md = (out / "report.md").read_text()
     assert md.startswith("# GPU check: DRY RUN") and "| pytest_cuda | dry-run |" in md
@@ -74,6 +76,11 @@ def test_report_collects_figures_failures_and_goals(tmp_path):
     (tmp_path / "serve-opt-1.3b-t16.json").write_text(json.dumps({"rows": serve_rows}))
     (tmp_path / "kernels.json").write_text(json.dumps({"dtype": "bf16", "copy_gbs": 10.0,
                                                        "rows": [{"kernel": "rms_norm", "triton_ms": 0.01}]}))
+    hybrid_rows = [{"peer": "hf", "mode": "full", "generate_ms": 5000.0},
+                   {"peer": "hybrid", "mode": "full", "speedup": 6.0, "switch_pct": 2.5},
+                   {"peer": "peft", "mode": "lora", "generate_ms": 7000.0},
+                   {"peer": "hybrid", "mode": "lora", "speedup": 4.0, "switch_pct": 0.5}]  # fmt: skip
+    (tmp_path / "bench-hybrid-qwen2-1.5b.json").write_text(json.dumps({"settings": {}, "rows": hybrid_rows}))
     assert mod.main(["report", str(tmp_path)]) == 1  # a failed step fails the check
     rep = json.loads((tmp_path / "report.json").read_text())
     assert not rep["passed"] and not rep["dry_run"]
@@ -85,6 +92,12 @@ def test_report_collects_figures_failures_and_goals(tmp_path):
     serving = goals["serving: continuous batching >= 1.5x transformers' generate_batch tokens/s"]
     assert serving["value"] == 1.75 and serving["met"] is True  # 700 / 400 on the requests arriving at once
     assert goals["batch-32 decode >= 1.3x HF static+compile"]["met"] is False  # 1.2x
+    hybrid = {k.split(": ", 1)[1]: g for k, g in goals.items() if k.startswith("hybrid GRPO 8x8, full")}
+    assert hybrid["engine >= 5x HF generate"]["met"] is True  # 6x
+    assert hybrid["switch <= 2% of generate"]["met"] is False and hybrid["switch <= 2% of generate"]["target"] == 2.0
+    lora = {k.split(": ", 1)[1]: g["met"] for k, g in goals.items() if k.startswith("hybrid GRPO 8x8, LoRA")}
+    assert lora == {"engine >= 5x peft generate": False, "switch <= 2% of generate": True}
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# GPU check: FAIL") and "Test GPU" in md and "tests.test_a::test_bad" in md
     assert "| rms_norm | 0.01 |" in md and "| dsinfer | 1 | 150 | 91 |" in md
+    assert "GRPO 8x8, Qwen2.5-1.5B shape" in md

@@ -45,6 +45,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-dtype", default=None, choices=list(DTYPES),
                    help="--hybrid: the engine's copy dtype (default: --dtype, the training model's); another dtype "
                    "keeps a copy of the weights, and the row's logp_diff shows its rounding")  # fmt: skip
+    p.add_argument("--num-generations", type=int, default=None, metavar="G",
+                   help="--hybrid: the GRPO shape, each prompt repeated G times in a row and sampled (TRL's "
+                   "num_generations; --batch-sizes is prompts x G rows). Default: 8 on a real preset, else 1 "
+                   "(distinct prompts, greedy)")  # fmt: skip
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated contenders among {', '.join(PEERS)}")
     p.add_argument(
         "--quant",
@@ -210,6 +214,8 @@ def bench_main(ns: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_DSINFER_CPU_COMPILE", "sync")
     if getattr(ns, "inference_dtype", None) and not getattr(ns, "hybrid", False):
         raise SystemExit("--inference-dtype sets the Hybrid Engine's copy dtype: it needs --hybrid")
+    if getattr(ns, "num_generations", None) is not None and not getattr(ns, "hybrid", False):
+        raise SystemExit("--num-generations sets the Hybrid Engine benchmark's GRPO shape: it needs --hybrid")
     if getattr(ns, "serve_url", None) or getattr(ns, "serve_peers", None):
         from .http_bench import http_main
 
@@ -281,7 +287,7 @@ def bench_main(ns: argparse.Namespace) -> dict:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if getattr(ns, "hybrid", False):
-        return _hybrid_main(args, ns.out, getattr(ns, "inference_dtype", None))
+        return _hybrid_main(args, ns.out, getattr(ns, "inference_dtype", None), getattr(ns, "num_generations", None))
     report = run_bench(args)
     report["settings"]["threads"] = torch.get_num_threads()
     report["hf_dsinfer_failed"] = any(is_ours(r["peer"]) for r in failed_rows(report))
@@ -305,17 +311,21 @@ def bench_main(ns: argparse.Namespace) -> dict:
     return report
 
 
-def _hybrid_main(args: BenchArgs, out: str, inference_dtype: str | None = None) -> dict:
+def _hybrid_main(
+    args: BenchArgs, out: str, inference_dtype: str | None = None, num_generations: int | None = None
+) -> dict:
     """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
     from .hybrid import run_hybrid_bench
 
     rows = run_hybrid_bench(
         args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         device=args.device, dtype=args.dtype, iterations=args.repeats, inference_dtype=inference_dtype,
+        num_generations=num_generations,
     )  # fmt: skip
     table = hybrid_table(rows)
     failed = [r for r in rows if r.get("failed")]
-    settings = {**asdict(args), "threads": torch.get_num_threads(), "inference_dtype": inference_dtype or args.dtype}
+    settings = {**asdict(args), "threads": torch.get_num_threads(), "inference_dtype": inference_dtype or args.dtype,
+                "num_generations": rows[0].get("num_generations") if rows else num_generations}  # fmt: skip
     report = {"mode": "hybrid", "settings": settings, "rows": rows,
               "hf_dsinfer_failed": any(r["peer"] == "hybrid" for r in failed)}  # fmt: skip
     write_report(report, table, out, f"bench-hybrid-{args.preset}")

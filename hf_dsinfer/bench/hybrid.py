@@ -12,10 +12,14 @@ prompts, AdamW). Two training setups, each on one random-weight model of ``prese
 The setup DeepSpeed published for its Hybrid Engine is OPT-1.3B, batch 8, prompt 256, 128 new tokens, LoRA.
 
 A real preset (``smollm2-real``: SmolLM2-135M-Instruct's trained weights) runs the **GRPO shape** instead: ``batch``
-rollout rows made of ``batch // 8`` chat prompts (the tokenizer's chat template) each repeated 8 times in a row (TRL's
-``repeat_interleave``), sampled with TRL's defaults (temperature 1, top-k 0, top-p 1), ``new_tokens`` new tokens per
-row (``min_new_tokens`` too, so both contenders generate the same count); the training step runs on the distinct
-prompts. Its hybrid row adds the engine's ``memory()`` and the RSS growth that building it caused.
+rollout rows made of ``batch // G`` chat prompts (the tokenizer's chat template) each repeated ``G`` times in a row
+(TRL's ``num_generations``, default 8, and its ``repeat_interleave``), sampled with TRL's defaults (temperature 1,
+top-k 0, top-p 1), ``new_tokens`` new tokens per row (``min_new_tokens`` too, so both contenders generate the same
+count); the training step runs on the distinct prompts. A random-weight preset runs the same shape with
+``num_generations`` > 1 (``batch // G`` random prompts of ``prompt_len`` tokens; the GPU goal's Qwen2.5-1.5B 8 x 8
+batch is ``--preset qwen2-1.5b --batch-sizes 64 --num-generations 8``), else ``batch`` distinct prompts, greedy.
+Hybrid rows add the engine's ``memory()``, the RSS growth that building it caused, and the last rollout's
+``prompt_tokens`` and ``prefill_tokens_computed`` (repeated prompts are prefilled once).
 The engine's copy runs as a training run's steady state does: its CPU decode step is compiled during the warm-up
 (``cpu_compile=True``; a run's default ``"auto"`` compiles once eager steps have taken 30 s), and the warm-up waits
 for it; ``HF_DSINFER_CPU_COMPILE=0`` keeps the step eager. Hybrid rows say which (``decode_step``).
@@ -89,26 +93,45 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def _grpo_prompts(preset: str, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The GRPO shape's rows: ``batch // 8`` chat prompts, each repeated 8 times in a row, left-padded;
-    ``(input_ids [batch, P], attention_mask [batch, P], pad id)``."""
+def _check_grpo_batch(preset: str, batch: int, completions: int, max_prompts: int | None) -> None:
+    prompts = batch // max(completions, 1)
+    if completions < 1 or batch < completions or batch % completions or (max_prompts and prompts > max_prompts):
+        most = f" x 1-{max_prompts} prompts" if max_prompts else " x a whole number of prompts"
+        raise ValueError(
+            f"bench --hybrid on {preset} runs the GRPO shape: --batch-sizes must be --num-generations ({completions}) "
+            f"completions{most}, got {batch} rows"
+        )
+
+
+def _grpo_prompts(
+    preset: str, batch: int, device: torch.device, completions: int = COMPLETIONS
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The GRPO shape's rows on a real preset: ``batch // completions`` chat prompts, each repeated ``completions``
+    times in a row, left-padded; ``(input_ids [batch, P], attention_mask [batch, P], pad id)``."""
     from transformers import AutoTokenizer
 
     from .decode import REAL_PRESETS
 
-    if batch < COMPLETIONS or batch % COMPLETIONS or batch // COMPLETIONS > len(CHAT_PROMPTS):
-        raise ValueError(
-            f"bench --hybrid on {preset} runs the GRPO shape: --batch-sizes must be {COMPLETIONS} completions x 1-"
-            f"{len(CHAT_PROMPTS)} prompts (8, 16, 24 or 32 rows), got {batch}"
-        )
+    _check_grpo_batch(preset, batch, completions, len(CHAT_PROMPTS))
     tok = AutoTokenizer.from_pretrained(REAL_PRESETS[preset]())
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in CHAT_PROMPTS[: batch // COMPLETIONS]]  # fmt: skip
+             for q in CHAT_PROMPTS[: batch // completions]]  # fmt: skip
     enc = tok(chats, return_tensors="pt", padding=True, padding_side="left")
-    ids = enc["input_ids"].repeat_interleave(COMPLETIONS, 0).to(device)  # [batch, P]
-    mask = enc["attention_mask"].repeat_interleave(COMPLETIONS, 0).to(device)
+    ids = enc["input_ids"].repeat_interleave(completions, 0).to(device)  # [batch, P]
+    mask = enc["attention_mask"].repeat_interleave(completions, 0).to(device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return ids, mask, pad
+
+
+def _random_grpo_prompts(
+    preset: str, batch: int, prompt_len: int, vocab: int, completions: int, seed: int, device: torch.device
+) -> torch.Tensor:
+    """The GRPO shape on random weights: ``batch // completions`` random prompts of ``prompt_len`` tokens, each
+    repeated ``completions`` times in a row; ``input_ids [batch, prompt_len]``."""
+    _check_grpo_batch(preset, batch, completions, None)
+    g = torch.Generator().manual_seed(seed)
+    distinct = torch.randint(3, vocab, (batch // completions, prompt_len), generator=g)  # [batch / G, P]
+    return distinct.repeat_interleave(completions, 0).to(device)  # [batch, P]
 
 
 def _training_model(preset: str, device: torch.device, dtype: torch.dtype, lora_rank: int, seed: int) -> nn.Module:
@@ -179,8 +202,9 @@ def _row(
 
 def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens: int, dev: torch.device,
                 dtype: str, iterations: int, lora_rank: int, seed: int,
-                inference_dtype: str | None = None) -> list[dict]:  # fmt: skip
-    """Both contenders of one training setup, alternating on one shared model; a row each."""
+                inference_dtype: str | None = None, completions: int | None = None) -> list[dict]:  # fmt: skip
+    """Both contenders of one training setup, alternating on one shared model; a row each. ``completions``: rows per
+    distinct prompt (None: 8 on a real preset, 1 otherwise)."""
     from ..hybrid.engine import HybridEngine
     from ..log import logger
     from ..policies import get_injection
@@ -189,12 +213,16 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
 
     load_before = _loadavg()
     model = _training_model(preset, dev, DTYPES[dtype], lora_rank if mode == "lora" else 0, seed)
-    grpo = preset in REAL_PRESETS
-    if grpo:  # GRPO shape: chat prompts x 8 completions, sampled (TRL's defaults); train on the distinct prompts
-        ids, mask, pad = _grpo_prompts(preset, batch, dev)
+    real = preset in REAL_PRESETS
+    completions = completions or (COMPLETIONS if real else 1)
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # TRL's GRPO defaults
+    if real:  # GRPO shape: chat prompts x completions, sampled; train on the distinct prompts
+        ids, mask, pad = _grpo_prompts(preset, batch, dev, completions)
         prompt_len = ids.shape[1]
-        train_ids = ids[::COMPLETIONS]
-        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        train_ids = ids[::completions]
+    elif completions > 1:  # the same shape on random weights: random prompts x completions
+        ids = _random_grpo_prompts(preset, batch, prompt_len, model.config.vocab_size, completions, seed, dev)
+        mask, pad, train_ids = torch.ones_like(ids), 0, ids[::completions]
     else:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
@@ -256,6 +284,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             times["hybrid"]["train_ms"].append((t2 - t1) * 1e3)
             times["hybrid"]["e2e_ms"].append((t2 - t0) * 1e3)
             times["hybrid"]["load"].append(load)
+            prefill.update(prompt_tokens=it.prompt_tokens, prefill_tokens_computed=it.prefill_tokens_computed)
         elif i_warm[0]:  # the warm-up: let a background compile of the decode step finish (the steady state)
             i_warm[0] = False
             _wait_for_compile(he)
@@ -270,6 +299,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
             errors[name] = error_text(e)
 
     i_warm = [True]
+    prefill: dict[str, int] = {}  # the last timed rollout's prompt tokens and those prefilled
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for i in range(iterations + 1):  # iteration 0 warms both up (allocations, compiled steps, graphs)
@@ -277,7 +307,8 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         for name, run in order if i % 2 == 0 else order[::-1]:
             attempt(name, run, i > 0)
     loads = dict(load_before=load_before, load_after=_loadavg())
-    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev, errors.get(peer), **loads)
+    peer_row = _row(peer, mode, preset, batch, prompt_len, new_tokens, times[peer], dev, errors.get(peer),
+                    num_generations=completions, **loads)  # fmt: skip
     if "hybrid" in errors:
         return [
             peer_row,
@@ -292,7 +323,7 @@ def _bench_mode(mode: str, preset: str, batch: int, prompt_len: int, new_tokens:
         "hybrid", mode, preset, batch, prompt_len, new_tokens, times["hybrid"], dev,
         injected=get_injection(he.module) is not None, inference_copy_mib=copy_mib, memory_mib=mem,
         rss_engine_built_mib=built_mib, decode_step=_decode_step(he, ids), inference_dtype=inference_dtype or dtype,
-        logp_diff=logp, **loads,
+        logp_diff=logp, num_generations=completions, **prefill, **loads,
     )  # fmt: skip
     hybrid_row["switch_pct"] = (
         round(100 * hybrid_row["refresh_ms"] / hybrid_row["generate_ms"], 2) if hybrid_row["generate_ms"] else None
@@ -384,6 +415,7 @@ def run_hybrid_bench(
     seed: int = 0,
     modes: tuple[str, ...] = ("full", "lora"),
     inference_dtype: str | None = None,
+    num_generations: int | None = None,
 ) -> list[dict]:
     """Run each training setup of ``modes`` (``full``, ``lora``) for ``iterations`` measured iterations per contender
     (after one warm-up); two rows per setup: the HF peer (``hf`` or ``peft``), then ``hybrid``.
@@ -392,9 +424,10 @@ def run_hybrid_bench(
     ``refresh_ms`` (hybrid), ``train_ms``, ``e2e_ms`` (medians), ``tokens_per_s`` (generated tokens over generate
     time), ``peak_mem_mib`` (CUDA only), ``failed``, ``error``, ``note``; hybrid rows add ``injected``,
     ``inference_copy_mib``, ``speedup`` (peer generate / engine generate + refresh) and ``e2e_speedup`` (when both
-    ran), ``inference_dtype`` (the engine's copy: ``inference_dtype``, default ``dtype``) and ``logp_diff`` (see
-    :func:`_logp_diff`). A contender that raises gets ``failed=True``, its error and no figures; the other one still
-    runs.
+    ran), ``inference_dtype`` (the engine's copy: ``inference_dtype``, default ``dtype``), ``logp_diff`` (see
+    :func:`_logp_diff`), ``prompt_tokens`` and ``prefill_tokens_computed``; every row has ``num_generations`` (rows
+    per distinct prompt: the GRPO shape when > 1 or on a real preset, see the module doc). A contender that raises
+    gets ``failed=True``, its error and no figures; the other one still runs.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows: list[dict] = []
@@ -403,7 +436,7 @@ def run_hybrid_bench(
             raise ValueError(f"unknown hybrid bench mode {mode!r}; use 'full' and/or 'lora'")
         try:
             rows += _bench_mode(mode, preset, batch, prompt_len, new_tokens, dev, dtype, iterations, lora_rank, seed,
-                                inference_dtype)  # fmt: skip
+                                inference_dtype, num_generations)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the setup failed (model, peft): both rows failed, the other setup runs
             from .report import error_text
 
