@@ -105,3 +105,57 @@ def test_full_finetune_shares_and_share_base_false_copies():
     assert torch.equal(copy.generate(**gen), shared.generate(**gen))
     with pytest.raises(ValueError, match="share_base"):
         HybridEngine(lora, share_base="yes")
+
+
+def test_side_paths_follow_adapter_state_and_replan_only_when_it_changes(monkeypatch):
+    """The side paths' copy plan (SharedBase.refresh_lora) is built once and rebuilt only when the routing changes:
+    another active adapter, a new scaling, adapters disabled, ``sleep()``. After every change the shared engine's
+    logits equal those of an engine that fuses W + BA into its own copy (``share_base=False``), and a value-only change
+    (an optimizer step on B) is copied without replanning. Scalings 2 (a product) and 1 (copied straight) both run."""
+    from hf_dsinfer.hybrid.shared_base import SharedBase
+
+    model = peft.get_peft_model(build_tiny("llama", seed=0), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                             target_modules="all-linear"))  # fmt: skip
+    model.add_adapter("second", peft.LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
+    randomize_lora(model)
+    cfg = {"max_out_tokens": 32, "cpu_compile": False}
+    builds = []
+    build = SharedBase._build_lora_plan
+    monkeypatch.setattr(SharedBase, "_build_lora_plan", lambda self, w: builds.append(1) or build(self, w))
+    shared = HybridEngine(model, inference_config=cfg)
+    fused = HybridEngine(model, inference_config=cfg, share_base=False)
+    assert shared._shared is not None and shared._shared.lora and fused._shared is None
+    assert len(builds) == 1, "planned once, by the build's refresh"
+    ids, mask = left_pad(prompts((5, 9)))
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+               output_logits=True, return_dict_in_generate=True)  # fmt: skip
+
+    def check(step: str, replans: int) -> None:
+        before = len(builds)
+        outs = []
+        for he in (shared, fused):
+            with he.inference():
+                outs.append(he.generate(**gen))
+        assert len(builds) - before == replans, f"{step}: {len(builds) - before} replans, expected {replans}"
+        assert torch.equal(outs[0].sequences, outs[1].sequences), step
+        for a, b in zip(outs[0].logits, outs[1].logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=step)
+
+    check("next refresh", 0)
+    lora_b = [m.lora_B["default"].weight for m in model.modules() if hasattr(m, "lora_B") and "default" in m.lora_B]
+    with torch.no_grad():
+        for p in lora_b:
+            p.mul_(-1.5)  # what an optimizer step does: the values change, the tensors stay
+    check("B changed in place", 0)
+    model.base_model.set_adapter("second")  # scaling 4 / 4 = 1: B copied straight
+    check("other adapter", 1)
+    layers = [m for m in model.modules() if "second" in (m.scaling if isinstance(getattr(m, "scaling", None), dict)
+                                                          else ())]  # fmt: skip
+    for m in layers:
+        m.scaling["second"] = 0.75
+    check("new scaling", 1)
+    with model.disable_adapter():
+        check("adapters disabled", 1)
+    check("enabled again", 1)
+    shared.sleep()
+    check("after sleep", 1)

@@ -6,6 +6,7 @@ views into someone else's buffer, are copied instead (never stale)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -73,15 +74,21 @@ def test_full_finetune_shares_storage_and_follows_optimizer_steps(monkeypatch):
     assert not torch.equal(first, got), "the updates change the completions (so the test can see a stale copy)"
 
 
-@pytest.mark.parametrize("how", ["rebound", "replaced"])
+@pytest.mark.parametrize("how", ["rebound", "replaced", "module", "parent"])
 def test_rebound_weight_is_copied_with_a_warning(caplog, how):
     model = build_tiny("llama", seed=0).train()
     he = HybridEngine(model, inference_config={"max_out_tokens": 32, "cpu_compile": False})
     attn = model.model.layers[0].self_attn
     if how == "rebound":  # what model.to(...) or load_state_dict(assign=True) does: no longer the shared storage
         attn.q_proj.weight.data = attn.q_proj.weight.data.clone()
-    else:  # another Parameter under the same name (fully_shard, a replaced module): the old one is shared, unused
+    elif how == "replaced":  # another Parameter under the same name (fully_shard): the old one is shared, unused
         attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.detach().clone())
+    elif how == "module":  # another module under the name: the refresh's cached resolution must notice
+        new = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+        new.weight = torch.nn.Parameter(attn.q_proj.weight.detach().clone())
+        attn.q_proj = new
+    else:  # a module above it replaced (a copy of the attention block)
+        model.model.layers[0].self_attn = copy.deepcopy(attn)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = _gen()
     _step(model, opt, gen["input_ids"])

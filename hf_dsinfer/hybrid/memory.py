@@ -61,6 +61,8 @@ def repack(module: nn.Module, unchanged: set[int]) -> int:
     linears whose weight may have changed; ``unchanged`` (ids: the shared frozen base) was not, its packs stay.
     Returns how many."""
     count = 0
+    if not cpu_packed.any_packed():  # nothing packed in this process (CUDA, packing off): no module walk
+        return count
     for m in module.modules():
         weight = getattr(m, "weight", None)
         slot = m.__dict__.get(cpu_packed.SLOT_ATTR)
@@ -95,6 +97,7 @@ def sleep(engine: Any) -> int:
     engine._asleep = [(t, t.untyped_storage().nbytes()) for t in tensors.values()]
     if engine._shared is not None:
         engine._shared.cast_stale = True  # frozen tensors cast once lose their values too: cast again at wake
+        engine._shared.forget_lora_plan()  # the side buffers too: zeroed and refilled at wake
     for t, _ in engine._asleep:
         t.untyped_storage().resize_(0)
     return before - sum(engine_memory(engine)[k] for k in ("weights", "kv_cache", "cpu_packed", "cuda_graphs"))

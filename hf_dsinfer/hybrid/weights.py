@@ -24,6 +24,7 @@ that is only ever *read*: training weights, LoRA factors and optimizer state are
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 
@@ -311,6 +312,9 @@ class TrainingWeights:
     def gathered(self, module: nn.Module) -> Iterator[None]:
         """Inside: ZeRO-3 partitioned parameters of ``module`` hold their full data (read only). FSDP2 needs nothing
         here (:meth:`full` gathers tensor by tensor, which keeps the peak at one tensor)."""
+        if "deepspeed" not in sys.modules:  # only deepspeed partitions parameters: none to gather, no module walk
+            yield
+            return
         params = [p for p in module.parameters() if hasattr(p, "ds_id")]
         if not params:
             yield

@@ -339,6 +339,11 @@ def repack(module: nn.Module, only_packed: bool = False) -> bool:
     return True
 
 
+def any_packed() -> bool:
+    """Whether any weight of this process holds a packed copy now."""
+    return bool(_packs)
+
+
 def packed_bytes(module: nn.Module | None = None) -> int:
     """Bytes held by packed copies (of the modules in ``module``, or all); a packed copy is about as large as its
     weight (oneDNN pads some shapes)."""
