@@ -249,7 +249,7 @@ def test_bench_hybrid_grpo_shape_on_random_weights(tmp_path):
           "--new-tokens", "3", "--repeats", "1", "--device", "cpu", "--threads", "1",
           "--out", str(tmp_path)])  # fmt: skip
     report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
-    assert report["settings"]["num_generations"] == 4
+    assert report["settings"]["num_generations"] == 4 and report["complete"]
     assert {(r["mode"], r["peer"]) for r in report["rows"]} == {("full", "hf"), ("full", "hybrid"), ("lora", "peft"),
                                                                 ("lora", "hybrid")}  # fmt: skip
     for r in report["rows"]:
@@ -257,6 +257,29 @@ def test_bench_hybrid_grpo_shape_on_random_weights(tmp_path):
             8 * 3e3 / r["generate_ms"], rel=0.01)  # fmt: skip
         if r["peer"] == "hybrid":
             assert (r["prompt_tokens"], r["prefill_tokens_computed"]) == (8 * 6, 2 * 6)
+
+
+def test_bench_hybrid_report_is_written_after_each_setup(tmp_path, monkeypatch):
+    """A run stopped during the LoRA setup (a GPU check step past its time limit) leaves the full fine-tuning rows on
+    disk, marked incomplete."""
+    import hf_dsinfer.bench.hybrid as hybrid
+
+    real = hybrid.run_hybrid_bench
+
+    def stop_at_lora(*args, modes=("full", "lora"), **kw):
+        if "lora" in modes:
+            raise KeyboardInterrupt("the time limit")
+        return real(*args, modes=modes, **kw)
+
+    monkeypatch.setattr(hybrid, "run_hybrid_bench", stop_at_lora)
+    argv = ["bench", "--hybrid", "--preset", "tiny", "--batch-sizes", "2", "--prompt-len", "4", "--new-tokens", "2",
+            "--repeats", "1", "--device", "cpu", "--threads", "1", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    report = json.loads((tmp_path / "bench-hybrid-tiny.json").read_text())
+    assert not report["complete"] and {(r["mode"], r["peer"]) for r in report["rows"]} == {("full", "hf"),
+                                                                                           ("full", "hybrid")}
+    assert all(r["generate_ms"] > 0 for r in report["rows"])
 
 
 def test_bench_hybrid_grpo_shape_checks_the_batch(tmp_path):

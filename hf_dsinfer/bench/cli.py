@@ -314,21 +314,26 @@ def bench_main(ns: argparse.Namespace) -> dict:
 def _hybrid_main(
     args: BenchArgs, out: str, inference_dtype: str | None = None, num_generations: int | None = None
 ) -> dict:
-    """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown."""
+    """``bench --hybrid``: one row per contender (HF generate in training vs the Hybrid Engine), JSON + markdown.
+
+    The report is written after each training setup (full, then LoRA): a run stopped by a time limit (a GPU check
+    step) keeps the figures of the setups it finished."""
     from .hybrid import run_hybrid_bench
 
-    rows = run_hybrid_bench(
-        args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        device=args.device, dtype=args.dtype, iterations=args.repeats, inference_dtype=inference_dtype,
-        num_generations=num_generations,
-    )  # fmt: skip
-    table = hybrid_table(rows)
-    failed = [r for r in rows if r.get("failed")]
-    settings = {**asdict(args), "threads": torch.get_num_threads(), "inference_dtype": inference_dtype or args.dtype,
-                "num_generations": rows[0].get("num_generations") if rows else num_generations}  # fmt: skip
-    report = {"mode": "hybrid", "settings": settings, "rows": rows,
-              "hf_dsinfer_failed": any(r["peer"] == "hybrid" for r in failed)}  # fmt: skip
-    write_report(report, table, out, f"bench-hybrid-{args.preset}")
-    for r in failed:
-        logger.error("bench --hybrid: %s (%s) failed: %s", r["name"], r["mode"], r["error"])
+    rows: list[dict] = []
+    for mode in ("full", "lora"):
+        rows += run_hybrid_bench(
+            args.preset, batch=args.batch_sizes[0], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+            device=args.device, dtype=args.dtype, iterations=args.repeats, modes=(mode,),
+            inference_dtype=inference_dtype, num_generations=num_generations,
+        )  # fmt: skip
+        settings = {**asdict(args), "threads": torch.get_num_threads(),
+                    "inference_dtype": inference_dtype or args.dtype,
+                    "num_generations": rows[0].get("num_generations") if rows else num_generations}  # fmt: skip
+        report = {"mode": "hybrid", "settings": settings, "rows": rows, "complete": mode == "lora",
+                  "hf_dsinfer_failed": any(r["peer"] == "hybrid" and r.get("failed") for r in rows)}  # fmt: skip
+        write_report(report, hybrid_table(rows), out, f"bench-hybrid-{args.preset}")
+    for r in rows:
+        if r.get("failed"):
+            logger.error("bench --hybrid: %s (%s) failed: %s", r["name"], r["mode"], r["error"])
     return report
