@@ -388,9 +388,12 @@ def _repack(slot: int, weight: torch.Tensor) -> _Pack:
         rows = rows.contiguous()
         chunks.append(torch.ops.mkldnn._reorder_linear_weight(rows, None))
         onednn_layout.learn(chunks[-1], rows)  # once per shape: may later re-packs of it go in place?
+    if same and all(c is o for c, o in zip(chunks, old.chunks)):
+        size = old.nbytes  # every chunk rewritten in its own buffer: the same bytes as before
+    else:
+        size = sum(_nbytes(c, b - a, weight.shape[1], weight.dtype.itemsize) for c, (a, b) in zip(chunks, bounds))
     del old
     _stats["packs"] += 1
-    size = sum(_nbytes(c, b - a, weight.shape[1], weight.dtype.itemsize) for c, (a, b) in zip(chunks, bounds))
     pack = _Pack(weight.data_ptr(), weight.dtype, _version(weight), tuple(weight.shape), chunks, bounds, size)
     _packs[slot] = pack
     return pack

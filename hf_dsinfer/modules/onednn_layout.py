@@ -177,7 +177,7 @@ def _as_words(
         and weight.data_ptr() % 4 == 0
     )  # fmt: skip
     if not pairs:
-        return buf.view(sizes), weight.as_strided(sizes, strides, offset)
+        return buf.view(sizes), _view(weight, form)
     words = weight.view(torch.int32)  # [rows, cols / 2]: each input pair one word
     half = [s // 2 for s in strides[:-1]]
     return buf.view(torch.int32).view(sizes[:-1]), words.as_strided(sizes[:-1], half, offset // 2)
