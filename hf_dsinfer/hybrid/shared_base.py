@@ -94,21 +94,14 @@ Chain = tuple[list[tuple[dict, str, nn.Module]], nn.Module, str]
 
 
 def _chain(weights: Any, name: str) -> Chain | None:
-    """How HF name ``name`` resolves to the training model's base parameter, as identity-checkable steps; None where a
-    step is a peft wrapper (``modules_to_save``: which module it stands for depends on the active adapter)."""
+    """How HF name ``name`` resolves to the training model's base parameter, as identity-checkable steps
+    (:meth:`.weights.TrainingWeights.module_steps`, then peft's ``get_base_layer()``); None where that cannot be
+    cached (a ``modules_to_save`` wrapper on the way)."""
     path, _, leaf = name.rpartition(".")
-    steps: list[tuple[dict, str, nn.Module]] = []
-    mod = weights.hf_model
-    for part in [*(path.split(".") if path else []), None]:
-        if weights._active_module(mod) is not mod:
-            return None
-        if part is None:
-            break
-        child = mod._modules.get(part)
-        if child is None:
-            return None
-        steps.append((mod._modules, part, child))
-        mod = child
+    steps = weights.module_steps(path)
+    if steps is None:
+        return None
+    mod = steps[-1][2] if steps else weights.hf_model
     if _is_lora_layer(mod):  # peft's get_base_layer(): down the base_layer submodules
         while isinstance(mod._modules.get("base_layer"), nn.Module):
             steps.append((mod._modules, "base_layer", mod._modules["base_layer"]))
@@ -348,8 +341,8 @@ class SharedBase:
             param, offset, name, base, ptr, chain = link
             # The cached resolution is the walk's answer while every module on it is still in place (no walk:
             # ~13 us a link on SmolLM2's peft model); a moved module falls back to the walk.
-            same = _intact(chain, base) if chain is not None else False
-            if base.data_ptr() == ptr and (same or _base_param(weights, name)[0] is base):
+            cached = chain is not None and _intact(chain, base)
+            if base.data_ptr() == ptr and (cached or _base_param(weights, name)[0] is base):
                 intact.append(link)
                 continue
             logger.warning(

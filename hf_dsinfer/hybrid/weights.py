@@ -138,6 +138,20 @@ class TrainingWeights:
             )
         return module
 
+    def module_steps(self, path: str) -> list[tuple[dict, str, nn.Module]] | None:
+        """:meth:`module`'s walk as ``(parent's _modules, key, child)`` steps, for callers that cache where a path
+        leads and later check every step by identity; None where the walk meets a peft wrapper (which module it
+        stands for depends on the active adapter) or a missing module."""
+        steps: list[tuple[dict, str, nn.Module]] = []
+        mod = self.hf_model
+        for part in path.split(".") if path else []:
+            child = mod._modules.get(part)
+            if self._active_module(mod) is not mod or child is None:
+                return None
+            steps.append((mod._modules, part, child))
+            mod = child
+        return steps if self._active_module(mod) is mod else None
+
     def module(self, path: str) -> nn.Module:
         """The (effective) training module at HF path ``path`` ("" is the model itself)."""
         mod = self.hf_model
